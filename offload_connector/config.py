@@ -1,0 +1,92 @@
+"""Connector configuration: parsed and validated once, at start-up, from `kv_connector_extra_config`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, fields
+from typing import Any, Mapping
+
+RESERVATION_MODES = ("exact", "vllm")
+EVICTION_POLICIES = ("lru",)
+DEFERRAL_FALLBACKS = ("recompute",)
+
+
+class ConfigError(ValueError):
+    """A `kv_connector_extra_config` value the connector cannot run with."""
+
+
+@dataclass(frozen=True)
+class OffloadConfig:
+    # Host bytes for the CPU tier, per worker rank.
+    cpu_bytes: int
+    # "exact": our per-group ledger decides admission. "vllm": trust vLLM's own reservation (comparison only:
+    # it stalls hybrid sliding-window models on vLLM 0.32/0.33).
+    reservation: str = "exact"
+    eviction: str = "lru"
+    # A load that keeps being deferred for this many scheduler steps is given up and the prefix recomputed, so a
+    # steady stream of ordinary admissions cannot starve it forever.
+    max_deferral_steps: int = 200
+    deferral_fallback: str = "recompute"
+    # Loads shorter than this are not worth a transfer; the tokens are recomputed.
+    min_load_tokens: int = 1
+
+    @classmethod
+    def from_extra_config(cls, extra: Mapping[str, Any] | None) -> "OffloadConfig":
+        extra = dict(extra or {})
+        known = {f.name for f in fields(cls)}
+        unknown = sorted(set(extra) - known)
+        if unknown:
+            raise ConfigError(
+                f"kv_connector_extra_config: unknown key(s) {unknown}; accepted keys are {sorted(known)}")
+        if "cpu_bytes" not in extra:
+            raise ConfigError("kv_connector_extra_config: 'cpu_bytes' is required (a positive integer: host bytes "
+                              "for the CPU tier per worker, e.g. 64000000000 or \"64g\")")
+        values = {
+            "cpu_bytes": _positive_int("cpu_bytes", extra.pop("cpu_bytes"), allow_suffix=True),
+        }
+        if "reservation" in extra:
+            values["reservation"] = _choice("reservation", extra.pop("reservation"), RESERVATION_MODES)
+        if "eviction" in extra:
+            values["eviction"] = _choice("eviction", extra.pop("eviction"), EVICTION_POLICIES)
+        if "deferral_fallback" in extra:
+            values["deferral_fallback"] = _choice("deferral_fallback", extra.pop("deferral_fallback"),
+                                                  DEFERRAL_FALLBACKS)
+        if "max_deferral_steps" in extra:
+            values["max_deferral_steps"] = _positive_int("max_deferral_steps", extra.pop("max_deferral_steps"))
+        if "min_load_tokens" in extra:
+            values["min_load_tokens"] = _positive_int("min_load_tokens", extra.pop("min_load_tokens"))
+        return cls(**values)
+
+
+_SUFFIXES = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
+
+
+def _positive_int(key: str, value: Any, allow_suffix: bool = False) -> int:
+    parsed: int | None = None
+    if isinstance(value, bool):
+        parsed = None
+    elif isinstance(value, int):
+        parsed = value
+    elif isinstance(value, float) and value.is_integer():
+        parsed = int(value)
+    elif isinstance(value, str) and allow_suffix:
+        text = value.strip().lower().removesuffix("b")
+        for suffix in sorted(_SUFFIXES, key=len, reverse=True):
+            if text.endswith(suffix):
+                try:
+                    parsed = int(float(text[: -len(suffix)]) * _SUFFIXES[suffix])
+                except ValueError:
+                    parsed = None
+                break
+        else:
+            parsed = int(text) if text.isdigit() else None
+    if parsed is None or parsed <= 0:
+        hint = ' (an integer, or a string such as "64g" or "512Mi")' if allow_suffix else " (an integer)"
+        raise ConfigError(f"kv_connector_extra_config: '{key}' must be a positive integer{hint}; got {value!r}")
+    return parsed
+
+
+def _choice(key: str, value: Any, accepted: tuple[str, ...]) -> str:
+    if value not in accepted:
+        raise ConfigError(
+            f"kv_connector_extra_config: '{key}' must be one of {list(accepted)}; got {value!r}")
+    return value

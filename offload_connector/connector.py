@@ -1,0 +1,125 @@
+"""`OffloadConnector`: the class vLLM loads from `kv_connector_module_path="offload_connector"`.
+
+A thin facade: the scheduler role delegates to `scheduler.core.OffloadScheduler`, the worker role to
+`worker.side.OffloadWorker`. Each role builds only its own side, so the scheduler process never imports worker or
+CUDA code and the worker never imports the scheduler side.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING, Any
+
+from vllm.distributed.kv_transfer.kv_connector.v1.base import (
+    KVConnectorBase_V1,
+    KVConnectorMetadata,
+    KVConnectorRole,
+    SupportsHMA,
+)
+
+from offload_connector.config import OffloadConfig
+from offload_connector.metadata import OffloadMetadata
+
+try:  # vLLM >= 0.32 labels external hits by source; HOST feeds the per-tier hit metrics.
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+    _HOST_SOURCE = CacheHitSource.HOST
+except ImportError:  # pragma: no cover
+    _HOST_SOURCE = None
+
+if TYPE_CHECKING:
+    from offload_connector.scheduler.core import OffloadScheduler
+    from offload_connector.worker.side import OffloadWorker
+
+
+class OffloadConnector(KVConnectorBase_V1, SupportsHMA):
+    if _HOST_SOURCE is not None:
+        _cache_hit_source = _HOST_SOURCE
+
+    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
+        super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
+        extra = vllm_config.kv_transfer_config.kv_connector_extra_config
+        self.offload_config = OffloadConfig.from_extra_config(extra)
+        self.scheduler_side: OffloadScheduler | None = None
+        self.worker_side: OffloadWorker | None = None
+        if kv_cache_config is None:
+            raise ValueError("OffloadConnector needs the KV cache config (vLLM >= 0.32 passes it)")
+        if role == KVConnectorRole.SCHEDULER:
+            from offload_connector.scheduler.core import OffloadScheduler
+            self.scheduler_side = OffloadScheduler(self.offload_config, vllm_config, kv_cache_config)
+        else:
+            from offload_connector.worker.side import OffloadWorker
+            self.worker_side = OffloadWorker(vllm_config, kv_cache_config)
+
+    # A best-effort cache: a preempted request need not wait for its KV to be delivered anywhere.
+    @property
+    def requires_kv_delivery(self) -> bool:
+        return False
+
+    # ----------------------------------------------------------- scheduler role
+    def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
+        super().bind_kv_cache_manager(kv_cache_manager)
+        assert self.scheduler_side is not None
+        self.scheduler_side.bind(kv_cache_manager)
+
+    def on_new_request(self, request: Any) -> None:
+        if self.scheduler_side is not None:
+            self.scheduler_side.on_new_request(request)
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        assert self.scheduler_side is not None
+        return self.scheduler_side.get_num_new_matched_tokens(request, num_computed_tokens)
+
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        assert self.scheduler_side is not None
+        self.scheduler_side.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+        assert self.scheduler_side is not None
+        return self.scheduler_side.build_meta(scheduler_output)
+
+    def update_connector_output(self, connector_output: Any) -> None:
+        if self.scheduler_side is not None:
+            self.scheduler_side.update_connector_output(connector_output)
+
+    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+        return self.request_finished_all_groups(request, (block_ids,))
+
+    def request_finished_all_groups(self, request: Any, block_ids: tuple[list[int], ...]
+                                    ) -> tuple[bool, dict[str, Any] | None]:
+        assert self.scheduler_side is not None
+        return self.scheduler_side.request_finished(request, block_ids)
+
+    def has_pending_push_work(self) -> bool:
+        # Keeps the engine stepping while stores are in flight, so their completions are collected.
+        return self.scheduler_side is not None and self.scheduler_side.has_pending_work()
+
+    def ledger_snapshot(self):
+        """Read-only view of the reservation ledger (per group: free, reserved, held; per-request rows)."""
+        assert self.scheduler_side is not None
+        return self.scheduler_side.snapshot()
+
+    # -------------------------------------------------------------- worker role
+    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+        assert self.worker_side is not None
+        self.worker_side.register_kv_caches(kv_caches)
+
+    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+        assert self.worker_side is not None
+        meta = self._get_connector_metadata()
+        assert isinstance(meta, OffloadMetadata)
+        self.worker_side.start(meta)
+
+    def wait_for_layer_load(self, layer_name: str) -> None:
+        return None  # loads complete asynchronously, before the request is scheduled
+
+    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
+        return None  # stores are whole-block copies issued after the step, not per layer
+
+    def wait_for_save(self) -> None:
+        return None
+
+    def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
+        assert self.worker_side is not None
+        return self.worker_side.get_finished(finished_req_ids)
+
+    def build_connector_worker_meta(self):
+        return self.worker_side.worker_meta() if self.worker_side is not None else None

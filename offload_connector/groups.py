@@ -1,0 +1,145 @@
+"""The connector's view of vLLM's KV cache groups: what each kind keeps, skips and can restore.
+
+Only plain numbers leave this module, so the scheduler side and tests can reason about groups without touching
+vLLM's managers. vLLM's own skip rule is checked against ours when the manager is bound (`check_against_manager`),
+so a vLLM change to it is refused at start-up instead of silently breaking admission.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any, Sequence
+
+
+class GroupKind(str, Enum):
+    FULL = "full_attention"
+    MLA = "mla"
+    SLIDING = "sliding_window"
+    SLIDING_MLA = "sliding_window_mla"
+    CHUNKED = "chunked_local"
+
+
+# Exact class names: several vLLM specs subclass FullAttentionSpec but free blocks differently (RSWA, circular
+# buffers, HiSparse), so isinstance() would misclassify them.
+_KIND_BY_SPEC = {
+    "FullAttentionSpec": GroupKind.FULL,
+    "SinkFullAttentionSpec": GroupKind.FULL,
+    "MLAAttentionSpec": GroupKind.MLA,
+    "SlidingWindowSpec": GroupKind.SLIDING,
+    "SlidingWindowMLASpec": GroupKind.SLIDING_MLA,
+    "ChunkedLocalAttentionSpec": GroupKind.CHUNKED,
+}
+_MANAGER_BY_KIND = {
+    GroupKind.FULL: ("FullAttentionManager", "SinkFullAttentionManager"),
+    GroupKind.MLA: ("FullAttentionManager",),
+    GroupKind.SLIDING: ("SlidingWindowManager",),
+    GroupKind.SLIDING_MLA: ("SlidingWindowManager",),
+    GroupKind.CHUNKED: ("ChunkedLocalAttentionManager",),
+}
+
+
+class UnsupportedLayoutError(ValueError):
+    """The model's KV cache layout has a group kind this connector cannot offload."""
+
+
+@dataclass(frozen=True)
+class GroupInfo:
+    index: int
+    kind: GroupKind
+    block_size: int  # tokens per block
+    block_bytes: int  # bytes of one block of this group across all its layers
+    num_layers: int
+    sliding_window: int = 0
+    extra_retained_tokens: int = 0
+    chunk_size: int = 0
+    # vLLM's per-request cap on live blocks for recycling groups (None for full attention); it already includes
+    # the tokens of every in-flight batch under async scheduling.
+    admission_cap: int | None = None
+
+    @property
+    def recycling(self) -> bool:
+        """Whether blocks leave the request as its window moves (sliding window, chunked local)."""
+        return self.kind in (GroupKind.SLIDING, GroupKind.SLIDING_MLA, GroupKind.CHUNKED)
+
+    def skipped_tokens(self, num_computed: int) -> int:
+        """Tokens no longer attended once `num_computed` tokens are computed (vLLM's `get_num_skipped_tokens`)."""
+        if self.kind in (GroupKind.SLIDING, GroupKind.SLIDING_MLA):
+            return max(0, num_computed - self.sliding_window + 1 - self.extra_retained_tokens)
+        if self.kind is GroupKind.CHUNKED:
+            return (num_computed // self.chunk_size) * self.chunk_size
+        return 0
+
+    def first_live_block(self, num_computed: int) -> int:
+        return self.skipped_tokens(num_computed) // self.block_size
+
+    def restore_range(self, num_tokens: int) -> range:
+        """Block indices a request resuming after `num_tokens` tokens must hold for this group."""
+        return range(self.first_live_block(num_tokens), num_tokens // self.block_size)
+
+
+def cdiv(a: int, b: int) -> int:
+    return -(-a // b)
+
+
+def describe_groups(kv_cache_config: Any, max_in_flight_tokens: int, max_model_len: int) -> list[GroupInfo]:
+    """Read the scheduler-side `KVCacheConfig` into `GroupInfo`s; refuse layouts we cannot offload."""
+    groups: list[GroupInfo] = []
+    for index, group in enumerate(kv_cache_config.kv_cache_groups):
+        spec = group.kv_cache_spec
+        name = type(spec).__name__
+        kind = _KIND_BY_SPEC.get(name)
+        if kind is None:
+            raise UnsupportedLayoutError(
+                f"KV cache group {index} uses {name}, which offload_connector does not support (supported: "
+                f"{sorted(_KIND_BY_SPEC)}). Mamba/linear-attention, cross-attention and sparse-retention groups "
+                f"keep state that cannot be restored from prefix blocks.")
+        cap = None
+        if kind in (GroupKind.SLIDING, GroupKind.SLIDING_MLA, GroupKind.CHUNKED):
+            cap = spec.max_admission_blocks_per_request(max_in_flight_tokens, max_model_len)
+        groups.append(GroupInfo(
+            index=index,
+            kind=kind,
+            block_size=spec.block_size,
+            block_bytes=spec.page_size_bytes * len(group.layer_names),
+            num_layers=len(group.layer_names),
+            sliding_window=getattr(spec, "sliding_window", None) or 0,
+            extra_retained_tokens=getattr(spec, "extra_retained_tokens", 0) or 0,
+            chunk_size=getattr(spec, "attention_chunk_size", None) or 0,
+            admission_cap=cap,
+        ))
+    if not groups:
+        raise UnsupportedLayoutError("the model has no KV cache groups; there is nothing to offload")
+    return groups
+
+
+def hit_alignment(groups: Sequence[GroupInfo]) -> int:
+    """Hits must end on a block boundary of every group."""
+    return math.lcm(*(g.block_size for g in groups))
+
+
+def check_against_manager(groups: Sequence[GroupInfo], managers: Sequence[Any]) -> None:
+    """Refuse to run if vLLM's managers disagree with our model of a group (a vLLM change we have not seen)."""
+    if len(groups) != len(managers):
+        raise UnsupportedLayoutError(
+            f"the scheduler has {len(managers)} KV cache groups but the connector was built for {len(groups)}")
+    for g, manager in zip(groups, managers):
+        mname = type(manager).__name__
+        if mname not in _MANAGER_BY_KIND[g.kind]:
+            raise UnsupportedLayoutError(
+                f"KV cache group {g.index} ({g.kind.value}) is managed by {mname}; expected one of "
+                f"{list(_MANAGER_BY_KIND[g.kind])}")
+        if manager.block_size != g.block_size:
+            raise UnsupportedLayoutError(
+                f"KV cache group {g.index}: manager block size {manager.block_size} != spec {g.block_size} "
+                f"(decode context parallelism is not supported)")
+        for n in (0, 1, g.block_size, 1000, 4097, 65536, 1_000_003):
+            if manager.get_num_skipped_tokens(n) != g.skipped_tokens(n):
+                raise UnsupportedLayoutError(
+                    f"KV cache group {g.index}: vLLM skips {manager.get_num_skipped_tokens(n)} tokens at {n}, the "
+                    f"connector expects {g.skipped_tokens(n)}")
+        cap = getattr(manager, "max_admission_blocks_per_request", None)
+        if g.recycling and cap is not None and cap != g.admission_cap:
+            raise UnsupportedLayoutError(
+                f"KV cache group {g.index}: vLLM caps live blocks at {cap}, the connector computed {g.admission_cap}")

@@ -1,0 +1,442 @@
+"""Scheduler side of the connector: lookup, exact admission, load and store planning.
+
+Lives in vLLM's scheduler process. It never imports CUDA and only hands plain `OffloadMetadata` to the workers.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Hashable
+
+from offload_connector.config import OffloadConfig
+from offload_connector.groups import GroupInfo, cdiv, check_against_manager, describe_groups, hit_alignment
+from offload_connector.metadata import OffloadMetadata, OffloadWorkerMetadata, TransferJob
+from offload_connector.scheduler import ledger
+from offload_connector.scheduler.lookup import BlockKeys, longest_hit
+from offload_connector.scheduler.tier_index import TierIndex
+
+logger = logging.getLogger("offload_connector")
+
+_FINISHED_PREFIXES = ("FINISHED",)
+
+
+@dataclass
+class _LoadState:
+    job: TransferJob
+    keys: list[Hashable]
+
+
+@dataclass
+class _ReqState:
+    request: Any
+    full_stored: list[int]  # per group: blocks [0, n) already handed to the tier (or found there)
+    window_boundary: int = 0  # last boundary whose recycling-group window was stored
+    deferred_since: int | None = None
+    no_load: bool = False  # gave up loading (aged deferral); recompute instead
+    pending_stores: set[int] = field(default_factory=set)
+    finished: bool = False
+    loaded_tokens: int = 0
+    offered_hit: int = 0  # the hit (local + external) last offered to vLLM
+
+
+@dataclass
+class _Admission:
+    """A load we admitted, with what the pool looked like, so tests can compare prediction and allocation."""
+    request_id: str
+    step: int
+    plan: ledger.LoadPlan
+    free_before: int
+    free_after: int | None = None
+    entries_after: tuple[int, ...] = ()
+    live_after: tuple[int, ...] = ()
+
+
+@dataclass
+class SchedulerCounters:
+    lookups: int = 0
+    hits: int = 0
+    loads_admitted: int = 0
+    loaded_tokens: int = 0
+    deferrals: int = 0
+    deferral_timeouts: int = 0
+    too_big: int = 0
+    shortened_hits: int = 0
+    stores: int = 0
+    stored_blocks: int = 0
+    load_failures: int = 0
+
+
+class OffloadScheduler:
+    def __init__(self, config: OffloadConfig, vllm_config: Any, kv_cache_config: Any) -> None:
+        self.config = config
+        self.max_model_len = vllm_config.model_config.max_model_len
+        max_in_flight = _max_in_flight_tokens(vllm_config)
+        self.groups: list[GroupInfo] = describe_groups(kv_cache_config, max_in_flight, self.max_model_len)
+        self.alignment = hit_alignment(self.groups)
+        self.hash_block_size = getattr(kv_cache_config, "hash_block_size", None) or _gcd_block(self.groups)
+        self.num_blocks = kv_cache_config.num_blocks
+        spec_cfg = getattr(vllm_config, "speculative_config", None)
+        self.num_spec_tokens = getattr(spec_cfg, "num_speculative_tokens", 0) or 0 if spec_cfg else 0
+        self.num_lookahead_tokens = getattr(vllm_config, "num_lookahead_tokens", 0) or 0
+        pc = vllm_config.parallel_config
+        self.reporters = max(1, pc.tensor_parallel_size * pc.pipeline_parallel_size)
+        self.slot_bytes = max(g.block_bytes for g in self.groups)
+        capacity = config.cpu_bytes // self.slot_bytes
+        if capacity < 1:
+            raise ValueError(
+                f"kv_connector_extra_config: 'cpu_bytes' ({config.cpu_bytes}) is smaller than one host block "
+                f"({self.slot_bytes} bytes for this model); give the CPU tier at least that much")
+        self.tier = TierIndex(capacity, [g.block_bytes for g in self.groups])
+        self.counters = SchedulerCounters()
+        self._managers: list[Any] | None = None
+        self._pool: Any = None
+        self._kv_manager: Any = None
+        self._watermark = 0
+        self._requests: dict[str, _ReqState] = {}
+        self._loads: dict[str, _LoadState] = {}  # admitted, copy in flight
+        self._store_jobs: dict[int, tuple[str, list[Hashable], int]] = {}  # job -> (req, keys, reports seen)
+        self._next_job = 0
+        self._step = 0
+        self._pending_loads: list[TransferJob] = []
+        self._pending_stores: list[TransferJob] = []
+        self._delayed_free: list[str] = []
+        # Loads whose request was aborted mid-copy: their tier entries stay pinned until the worker reports them.
+        self._orphan_loads: dict[int, _LoadState] = {}
+        self.admissions: deque[_Admission] = deque(maxlen=4096)
+
+    # ------------------------------------------------------------------ binding
+    def bind(self, kv_cache_manager: Any) -> None:
+        coordinator = kv_cache_manager.coordinator
+        self._managers = list(coordinator.single_type_managers)
+        check_against_manager(self.groups, self._managers)
+        self._pool = kv_cache_manager.block_pool
+        self._kv_manager = kv_cache_manager
+        self._watermark = int(getattr(kv_cache_manager, "watermark_blocks", 0) or 0)
+
+    def on_new_request(self, request: Any) -> None:
+        self._requests[request.request_id] = _ReqState(request, [0] * len(self.groups))
+
+    # ------------------------------------------------------------------- lookup
+    def _keys(self, request: Any) -> BlockKeys:
+        return BlockKeys(request.block_hashes, self.hash_block_size, self.groups)
+
+    def _hit(self, request: Any, upper: int) -> int:
+        return longest_hit(self.groups, self._keys(request), self.tier.is_ready, upper, self.alignment)
+
+    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+        state = self._requests.get(request.request_id)
+        if state is None:  # a request we were not told about (should not happen); track it now
+            self.on_new_request(request)
+            state = self._requests[request.request_id]
+        if state.no_load or request.request_id in self._loads:
+            return 0, False
+        self.counters.lookups += 1
+        # Leave at least one prompt token to compute: the step that computes it produces the first output.
+        upper = request.num_tokens - 1
+        hit = self._hit(request, upper)
+        if hit - num_computed_tokens < self.config.min_load_tokens:
+            state.deferred_since = None
+            return 0, False
+        self.counters.hits += 1
+        if self.config.reservation == "vllm":
+            state.offered_hit = hit
+            return hit - num_computed_tokens, True
+        return self._admit(request, state, num_computed_tokens, hit)
+
+    def _admit(self, request: Any, state: _ReqState, local: int, hit: int) -> tuple[int | None, bool]:
+        assert self._managers is not None, "bind_kv_cache_manager was not called"
+        local_blocks = self._local_blocks(request, local)
+        reserved = self._reserved_by_others(request.request_id)
+        free = self._pool.get_num_free_blocks()
+        usable = self.num_blocks - 1
+        shortened = False
+        while hit - local >= self.config.min_load_tokens:
+            plan = self.plan_load(request, hit, local_blocks)
+            verdict = ledger.decide(plan, free, self._watermark, reserved, usable)
+            if verdict is ledger.Verdict.ADMIT:
+                state.deferred_since = None
+                state.offered_hit = hit
+                self.admissions.append(_Admission(request.request_id, self._step, plan, free))
+                if shortened:
+                    self.counters.shortened_hits += 1
+                return hit - local, True
+            if verdict is ledger.Verdict.DEFER:
+                if state.deferred_since is None:
+                    state.deferred_since = self._step
+                if self._step - state.deferred_since >= self.config.max_deferral_steps:
+                    self.counters.deferral_timeouts += 1
+                    logger.warning("offload_connector: load of %d tokens for %s deferred %d steps; recomputing",
+                                   hit - local, request.request_id, self._step - state.deferred_since)
+                    state.no_load = True
+                    return 0, False
+                self.counters.deferrals += 1
+                return None, False
+            # TOO_BIG: this hit cannot fit even in an idle pool; a shorter one might.
+            self.counters.too_big += 1
+            shortened = True
+            hit = self._hit(request, hit - self.alignment)
+        state.no_load = True
+        return 0, False
+
+    def _local_blocks(self, request: Any, local: int) -> list[list[Any]]:
+        if local == 0:
+            return [[] for _ in self.groups]
+        blocks, _ = self._kv_manager.coordinator.find_longest_cache_hit(request.block_hashes, local)[:2]
+        return [list(b) for b in blocks]
+
+    def plan_load(self, request: Any, hit: int, local_blocks: list[list[Any]]) -> ledger.LoadPlan:
+        """Exact per-group blocks a load of `hit` tokens takes now and may still take through its prompt."""
+        target = self._target_tokens(request)
+        now, remaining = [], []
+        for g in self.groups:
+            taken, entries, live = ledger.load_blocks(g, hit, local_blocks[g.index])
+            now.append(taken)
+            remaining.append(ledger.remaining_blocks(g, target, entries, live))
+        return ledger.LoadPlan(hit, tuple(now), tuple(remaining))
+
+    def _target_tokens(self, request: Any) -> int:
+        # The prompt, then one decode step (plus speculative and lookahead slots) so the request can run at all.
+        return min(request.num_tokens + 1 + self.num_spec_tokens + self.num_lookahead_tokens, self.max_model_len)
+
+    def _in_prefill(self, request: Any) -> bool:
+        return request.num_computed_tokens < max(request.num_prompt_tokens, request.num_tokens - 1)
+
+    def _rows(self, exclude: str | None = None) -> list[ledger.LedgerRow]:
+        assert self._managers is not None
+        rows = []
+        first = self._managers[0].req_to_blocks
+        for rid, state in self._requests.items():
+            if rid == exclude or state.finished or rid not in first:
+                continue
+            request = state.request
+            if not self._in_prefill(request):
+                continue
+            target = self._target_tokens(request)
+            held, remaining = [], []
+            for g, manager in zip(self.groups, self._managers):
+                entries, live = ledger.live_counts(manager.req_to_blocks.get(rid, ()))
+                held.append(live)
+                remaining.append(ledger.remaining_blocks(g, target, entries, live))
+            rows.append(ledger.LedgerRow(rid, str(getattr(request.status, "name", request.status)), tuple(held),
+                                         tuple(remaining), rid in self._loads))
+        return rows
+
+    def _reserved_by_others(self, request_id: str) -> int:
+        return sum(sum(r.remaining) for r in self._rows(exclude=request_id))
+
+    def snapshot(self) -> ledger.LedgerSnapshot:
+        rows = self._rows()
+        return ledger.LedgerSnapshot(
+            step=self._step,
+            num_blocks=self.num_blocks,
+            free_blocks=self._pool.get_num_free_blocks() if self._pool is not None else self.num_blocks - 1,
+            watermark_blocks=self._watermark,
+            reserved_blocks=sum(sum(r.remaining) for r in rows),
+            groups=ledger.summarize(rows, self.groups),
+            rows=tuple(rows),
+            deferred=tuple(rid for rid, s in self._requests.items() if s.deferred_since is not None),
+        )
+
+    # --------------------------------------------------------------- allocation
+    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+        if num_external_tokens <= 0:
+            return
+        rid = request.request_id
+        state = self._requests[rid]
+        hit = state.offered_hit
+        assert hit >= num_external_tokens, (rid, hit, num_external_tokens)
+        block_ids = blocks.get_block_ids()
+        if self.admissions and self.admissions[-1].request_id == rid and self.admissions[-1].free_after is None:
+            adm = self.admissions[-1]
+            assert self._managers is not None
+            counts = [ledger.live_counts(m.req_to_blocks.get(rid, ())) for m in self._managers]
+            adm.free_after = self._pool.get_num_free_blocks()
+            adm.entries_after = tuple(c[0] for c in counts)
+            adm.live_after = tuple(c[1] for c in counts)
+        local = hit - num_external_tokens
+        keys = self._keys(request)
+        groups_, gpu, keylist = [], [], []
+        for g in self.groups:
+            ids = block_ids[g.index]
+            start = max(local // g.block_size, g.first_live_block(hit))
+            for i in range(start, hit // g.block_size):
+                key = keys(g.index, i)
+                groups_.append(g.index)
+                gpu.append(ids[i])
+                keylist.append(key)
+        slots = self.tier.pin(keylist)
+        self.tier.touch(keylist)
+        job = TransferJob(self._new_job_id(), rid, tuple(groups_), tuple(gpu), tuple(slots))
+        self._loads[rid] = _LoadState(job, keylist)
+        self._pending_loads.append(job)
+        state.deferred_since = None
+        state.loaded_tokens = num_external_tokens
+        # Blocks below the hit are on the GPU once the load lands; store planning starts after them.
+        state.full_stored = [hit // g.block_size if not g.recycling else 0 for g in self.groups]
+        state.window_boundary = hit
+        self.counters.loads_admitted += 1
+        self.counters.loaded_tokens += num_external_tokens
+
+    def _new_job_id(self) -> int:
+        self._next_job += 1
+        return self._next_job
+
+    # ------------------------------------------------------------------- stores
+    def _plan_stores(self, state: _ReqState, computed: int, block_ids: list[list[int]] | None) -> None:
+        """Hand newly computed blocks to the tier.
+
+        Full-attention blocks are stored as they complete. A recycling group's blocks are stored only for the
+        window a later request can resume from: at the prompt's last boundary and later (decode), never for the
+        windows a long prefill passes through, which nobody can resume at.
+        """
+        request = state.request
+        keys = self._keys(request)
+        done = min(computed, keys.hashed_tokens())
+        groups_, gpu, keylist = [], [], []
+
+        def ids_for(g: GroupInfo) -> list[int] | None:
+            if block_ids is not None:
+                return block_ids[g.index]
+            assert self._managers is not None
+            blocks = self._managers[g.index].req_to_blocks.get(request.request_id)
+            return None if blocks is None else [0 if b.is_null else b.block_id for b in blocks]
+
+        for g in self.groups:
+            if g.recycling:
+                continue
+            ids = ids_for(g)
+            if ids is None:
+                continue
+            end = min(done // g.block_size, len(ids))
+            for i in range(state.full_stored[g.index], end):
+                groups_.append(g.index)
+                gpu.append(ids[i])
+                keylist.append(keys(g.index, i))
+            state.full_stored[g.index] = max(state.full_stored[g.index], end)
+
+        boundary = done - done % self.alignment
+        prompt_boundary = request.num_prompt_tokens - request.num_prompt_tokens % self.alignment
+        if boundary > state.window_boundary and boundary >= prompt_boundary:
+            window: list[tuple[int, int, Hashable]] = []
+            for g in self.groups:
+                if not g.recycling:
+                    continue
+                ids = ids_for(g)
+                rng = g.restore_range(boundary)
+                if ids is None or len(ids) < rng.stop or any(ids[i] == 0 for i in rng):
+                    window = []  # part of the window already left the GPU: this boundary is not restorable
+                    break
+                window.extend((g.index, ids[i], keys(g.index, i)) for i in rng)
+            else:
+                state.window_boundary = boundary
+            for gi, bid, key in window:
+                groups_.append(gi)
+                gpu.append(bid)
+                keylist.append(key)
+
+        if not keylist:
+            return
+        reserved = dict(self.tier.begin_store(keylist))
+        if not reserved:
+            return
+        sel = [i for i, k in enumerate(keylist) if k in reserved]
+        job = TransferJob(self._new_job_id(), request.request_id, tuple(groups_[i] for i in sel),
+                          tuple(gpu[i] for i in sel), tuple(reserved[keylist[i]] for i in sel))
+        self._store_jobs[job.job_id] = (request.request_id, [keylist[i] for i in sel], 0)
+        state.pending_stores.add(job.job_id)
+        self._pending_stores.append(job)
+        self.counters.stores += 1
+        self.counters.stored_blocks += job.num_blocks
+
+    def request_finished(self, request: Any, block_ids: tuple[list[int], ...]) -> tuple[bool, dict | None]:
+        rid = request.request_id
+        state = self._requests.get(rid)
+        if state is None:
+            return False, None
+        state.finished = True
+        load = self._loads.pop(rid, None)
+        if load is not None:
+            # Aborted while its load was in flight: the copy still targets the request's blocks, which vLLM frees
+            # now. The tier entries stay pinned until the worker reports the job (see update_connector_output).
+            self._orphan_loads[load.job.job_id] = load
+        if request.num_computed_tokens > 0 and load is None:
+            self._plan_stores(state, request.num_computed_tokens, [list(ids) for ids in block_ids])
+        if state.pending_stores:
+            self._delayed_free.append(rid)
+            return True, None
+        del self._requests[rid]
+        return False, None
+
+    # ------------------------------------------------------------- step output
+    def build_meta(self, scheduler_output: Any) -> OffloadMetadata:
+        self._step += 1
+        for rid, n in scheduler_output.num_scheduled_tokens.items():
+            state = self._requests.get(rid)
+            if state is None or rid in self._loads:
+                continue
+            self._plan_stores(state, state.request.num_computed_tokens + n, None)
+        meta = OffloadMetadata(step=self._step, loads=tuple(self._pending_loads), stores=tuple(self._pending_stores),
+                               delayed_free=tuple(self._delayed_free))
+        self._pending_loads, self._pending_stores, self._delayed_free = [], [], []
+        return meta
+
+    def update_connector_output(self, output: Any) -> None:
+        for rid in output.finished_recving or ():
+            self._finish_load(rid, ok=rid not in (getattr(output, "failed_recving", None) or ()))
+        meta = getattr(output, "kv_connector_worker_meta", None)
+        if isinstance(meta, OffloadWorkerMetadata):
+            for job_id in meta.stores_done:
+                self._finish_store(job_id, ok=True)
+            for job_id in meta.stores_failed:
+                self._finish_store(job_id, ok=False)
+        for rid in output.finished_sending or ():
+            state = self._requests.get(rid)
+            if state is not None and state.finished and not state.pending_stores:
+                del self._requests[rid]
+
+    def _finish_load(self, rid: str, ok: bool) -> None:
+        load = self._loads.pop(rid, None)
+        if load is None:
+            for job_id, orphan in list(self._orphan_loads.items()):
+                if orphan.job.request_id == rid:
+                    load = self._orphan_loads.pop(job_id)
+                    break
+        if load is None:
+            return
+        self.tier.unpin(load.keys)
+        if not ok:
+            self.counters.load_failures += 1
+            self.tier.drop(load.keys)
+
+    def _finish_store(self, job_id: int, ok: bool) -> None:
+        entry = self._store_jobs.get(job_id)
+        if entry is None:
+            return
+        rid, keys, seen = entry
+        if ok and seen + 1 < self.reporters:
+            self._store_jobs[job_id] = (rid, keys, seen + 1)
+            return
+        del self._store_jobs[job_id]
+        self.tier.finish_store(keys, ok=ok)
+        state = self._requests.get(rid)
+        if state is not None:
+            state.pending_stores.discard(job_id)
+
+    def has_pending_work(self) -> bool:
+        return bool(self._loads or self._store_jobs or self._pending_loads or self._pending_stores)
+
+
+
+def _gcd_block(groups: list[GroupInfo]) -> int:
+    import math
+    return math.gcd(*(g.block_size for g in groups))
+
+
+def _max_in_flight_tokens(vllm_config: Any) -> int:
+    value = getattr(vllm_config, "max_in_flight_tokens", None)
+    if value is not None:
+        return int(value)
+    batches = getattr(vllm_config, "max_concurrent_batches", 1) or 1
+    return batches * vllm_config.scheduler_config.max_num_batched_tokens

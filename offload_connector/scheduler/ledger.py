@@ -1,0 +1,123 @@
+"""The reservation ledger: exact per-group block accounting for admitting asynchronous KV loads.
+
+vLLM (0.32/0.33) admits a load against `_request_remaining_blocks`, which caps a recycling group's need and then
+subtracts a block list padded with null blocks: for a long loaded prefix it reserves nothing for sliding-window
+groups, loads are admitted until no loaded request can take its next chunk, and a loaded request waiting for a
+chunk is never preempted. Here every quantity is counted from live blocks:
+
+* now       - blocks the load takes from the free pool at admission (vLLM's own allocation rule, including local
+              prefix-hit blocks that leave the free queue when touched);
+* remaining - blocks the request may still take until its prompt is done and its first decode step has a slot:
+              full attention `cdiv(T, b) - len(blocks)`; recycling groups `min(cdiv(T, b), cap) - live`, where `live`
+              counts real (non-null) blocks and `cap` is vLLM's per-request ceiling on live blocks.
+
+A load is admitted only if `now + remaining` fits in the free pool next to the remaining need of every request
+that already holds blocks and has not finished its prompt, plus vLLM's watermark.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from enum import Enum
+from typing import Any, Iterable, Sequence
+
+from offload_connector.groups import GroupInfo, cdiv
+
+
+def remaining_blocks(group: GroupInfo, target_tokens: int, num_entries: int, num_live: int) -> int:
+    """Blocks a request holding `num_entries` block-table entries (`num_live` of them real) may still take."""
+    needed = cdiv(target_tokens, group.block_size)
+    if group.recycling:
+        if group.admission_cap is not None:
+            needed = min(needed, group.admission_cap)
+        return max(needed - num_live, 0)
+    return max(needed - num_entries, 0)
+
+
+def load_blocks(group: GroupInfo, hit_tokens: int, local_blocks: Sequence[Any]) -> tuple[int, int, int]:
+    """What admitting a load of `hit_tokens` computed tokens (local hit included) does to this group.
+
+    Returns (blocks taken from the free pool now, block-table entries afterwards, live blocks afterwards).
+    Mirrors `get_num_blocks_to_allocate` for a first allocation: local hit blocks inside the window are touched
+    (an evictable one leaves the free queue), the rest of the prefix is allocated fresh, skipped positions are null.
+    """
+    entries = cdiv(hit_tokens, group.block_size)
+    skipped = group.skipped_tokens(hit_tokens) // group.block_size
+    fresh = max(entries - max(skipped, len(local_blocks)), 0)
+    touched_free = sum(1 for blk in local_blocks[skipped:] if not blk.is_null and blk.ref_cnt == 0)
+    return fresh + touched_free, entries, entries - skipped
+
+
+def live_counts(blocks: Sequence[Any]) -> tuple[int, int]:
+    return len(blocks), sum(1 for blk in blocks if not blk.is_null)
+
+
+class Verdict(str, Enum):
+    ADMIT = "admit"
+    DEFER = "defer"  # does not fit now, but blocks held by others will come back
+    TOO_BIG = "too_big"  # would not fit even in an idle pool
+
+
+@dataclass(frozen=True)
+class LoadPlan:
+    hit_tokens: int
+    now: tuple[int, ...]  # per group
+    remaining: tuple[int, ...]  # per group, after the load
+
+    @property
+    def total(self) -> int:
+        return sum(self.now) + sum(self.remaining)
+
+
+@dataclass(frozen=True)
+class LedgerRow:
+    request_id: str
+    status: str
+    held: tuple[int, ...]  # live blocks per group
+    remaining: tuple[int, ...]  # blocks per group still to take through the end of the prompt
+    loading: bool  # an admitted load is still in flight
+
+
+@dataclass(frozen=True)
+class GroupRow:
+    index: int
+    kind: str
+    held: int
+    reserved: int
+
+
+@dataclass(frozen=True)
+class LedgerSnapshot:
+    """What the ledger believed at one point: enough to explain any admission decision after the fact."""
+    step: int
+    num_blocks: int
+    free_blocks: int  # vLLM's free count (includes evictable cached blocks)
+    watermark_blocks: int
+    reserved_blocks: int  # sum of remaining over rows
+    groups: tuple[GroupRow, ...]
+    rows: tuple[LedgerRow, ...]
+    deferred: tuple[str, ...]
+
+    @property
+    def headroom(self) -> int:
+        return self.free_blocks - self.watermark_blocks - self.reserved_blocks
+
+
+def decide(plan: LoadPlan, free_blocks: int, watermark_blocks: int, reserved_by_others: int,
+           usable_blocks: int) -> Verdict:
+    """Admission rule. `usable_blocks` is the pool without the null block."""
+    if plan.total + watermark_blocks > usable_blocks:
+        return Verdict.TOO_BIG
+    if plan.total + watermark_blocks + reserved_by_others <= free_blocks:
+        return Verdict.ADMIT
+    return Verdict.DEFER
+
+
+def summarize(rows: Iterable[LedgerRow], groups: Sequence[GroupInfo]) -> tuple[GroupRow, ...]:
+    held = [0] * len(groups)
+    reserved = [0] * len(groups)
+    for row in rows:
+        for i in range(len(groups)):
+            held[i] += row.held[i]
+            reserved[i] += row.remaining[i]
+    return tuple(GroupRow(g.index, g.kind.value, held[g.index], reserved[g.index]) for g in groups)

@@ -1,0 +1,229 @@
+"""Drive vLLM's real `Scheduler` on CPU with a simulated model and a simulated copy engine for our connector.
+
+The model is simulated by handing the scheduler one sampled token per request whose prompt is done; the copy
+engine by moving *tags* instead of KV bytes: every GPU block a step computes gets the tag (group, block hash) of
+the tokens it holds, stores copy tags to host slots, loads copy them back, and when a load lands every block of
+the request's restore range must carry the tag of its own tokens. That checks the load and store plans end to end
+without a GPU.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable, Hashable, Iterable
+
+from offload_connector.metadata import OffloadMetadata, OffloadWorkerMetadata, TransferJob
+
+
+class LoadContentError(AssertionError):
+    pass
+
+
+@dataclass
+class _InFlight:
+    due: int
+    job: TransferJob
+    is_load: bool
+
+
+class TagCopyEngine:
+    """Simulated worker side of OffloadConnector: jobs finish `latency` steps after they are issued."""
+
+    def __init__(self, latency_steps: int = 1) -> None:
+        self.latency = latency_steps
+        self.gpu: dict[int, Hashable] = {}
+        self.host: dict[int, Hashable] = {}
+        self.inflight: deque[_InFlight] = deque()
+        self.delayed_free: set[str] = set()
+        self.loads_done = 0
+        self.stores_done = 0
+
+    def submit(self, meta: OffloadMetadata | None, step: int) -> None:
+        if meta is None:
+            return
+        for job in meta.stores:
+            # The store reads GPU blocks after this step's forward; capture them now (blocks cannot be reused
+            # before the job completes: their request either still holds them or its free is delayed).
+            self.inflight.append(_InFlight(step + self.latency, job, False))
+        for job in meta.loads:
+            self.inflight.append(_InFlight(step + self.latency, job, True))
+        self.delayed_free.update(meta.delayed_free)
+
+    def pending(self) -> bool:
+        return bool(self.inflight)
+
+    def complete(self, step: int) -> tuple[set[str], set[str], OffloadWorkerMetadata | None]:
+        recving: set[str] = set()
+        done_stores: list[int] = []
+        still: deque[_InFlight] = deque()
+        for item in self.inflight:
+            if item.due > step:
+                still.append(item)
+                continue
+            job = item.job
+            if item.is_load:
+                for bid, slot in zip(job.gpu_blocks, job.host_slots):
+                    self.gpu[bid] = self.host.get(slot)
+                recving.add(job.request_id)
+                self.loads_done += 1
+            else:
+                for bid, slot in zip(job.gpu_blocks, job.host_slots):
+                    self.host[slot] = self.gpu.get(bid)
+                done_stores.append(job.job_id)
+                self.stores_done += 1
+        self.inflight = still
+        pending_reqs = {i.job.request_id for i in self.inflight if not i.is_load}
+        sending = {rid for rid in self.delayed_free if rid not in pending_reqs}
+        self.delayed_free -= sending
+        meta = OffloadWorkerMetadata(stores_done=done_stores) if done_stores else None
+        return sending, recving, meta
+
+
+@dataclass
+class StepRecord:
+    step: int
+    scheduled_tokens: int
+    running: int
+    waiting: int
+    free_blocks: int
+    transfers_in_flight: bool
+
+
+@dataclass
+class DriveResult:
+    steps: int
+    stalled: bool
+    first_stall_step: int | None
+    zero_token_steps_idle: int  # steps with 0 tokens while requests wait and nothing is in flight
+    finished: set[str]
+    history: list[StepRecord] = field(default_factory=list)
+
+
+class SchedulerDriver:
+    """Steps a real vLLM scheduler; `engine` simulates our connector's worker (None for other connectors)."""
+
+    def __init__(self, scheduler: Any, engine: TagCopyEngine | None = None, check_loads: bool = True,
+                 record: bool = False) -> None:
+        self.sched = scheduler
+        self.engine = engine
+        self.check_loads = check_loads
+        self.record = record
+        self.step_no = 0
+        self.finished: set[str] = set()
+        self.history: list[StepRecord] = []
+        self._prev_loading: set[str] = set()
+        conn = scheduler.get_kv_connector()
+        self.side = getattr(conn, "scheduler_side", None)
+        self.on_step: list[Callable[["SchedulerDriver", Any], None]] = []
+
+    # ------------------------------------------------------------------ helpers
+    @property
+    def pool(self) -> Any:
+        return self.sched.kv_cache_manager.block_pool
+
+    def managers(self) -> list[Any]:
+        return list(self.sched.kv_cache_manager.coordinator.single_type_managers)
+
+    def add(self, requests: Iterable[Any]) -> None:
+        for r in requests:
+            self.sched.add_request(r)
+
+    def _write_computed_tags(self, out: Any) -> None:
+        if self.engine is None or self.side is None:
+            return
+        for rid, n in out.num_scheduled_tokens.items():
+            req = self.sched.requests[rid]
+            after = req.num_computed_tokens  # schedule() already advanced it
+            before = after - n
+            keys = self.side._keys(req)
+            for g, mgr in zip(self.side.groups, self.managers()):
+                blocks = mgr.req_to_blocks.get(rid, [])
+                last = min(after, keys.hashed_tokens()) // g.block_size
+                for i in range(before // g.block_size, min(last, len(blocks))):
+                    if not blocks[i].is_null:
+                        self.engine.gpu[blocks[i].block_id] = keys(g.index, i)
+
+    def _verify_loaded(self, rids: set[str]) -> None:
+        if not (self.check_loads and self.engine is not None and self.side is not None):
+            return
+        for rid in rids:
+            req = self.sched.requests.get(rid)
+            if req is None:
+                continue
+            hit = req.num_computed_tokens
+            keys = self.side._keys(req)
+            for g, mgr in zip(self.side.groups, self.managers()):
+                blocks = mgr.req_to_blocks.get(rid, [])
+                for i in g.restore_range(hit):
+                    tag = self.engine.gpu.get(blocks[i].block_id)
+                    if tag != keys(g.index, i):
+                        raise LoadContentError(
+                            f"{rid}: group {g.index} block {i} (gpu {blocks[i].block_id}) holds {tag!r} after load")
+
+    # --------------------------------------------------------------------- step
+    def step(self) -> StepRecord:
+        from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+
+        self.step_no += 1
+        out = self.sched.schedule()
+        if self.engine is not None:
+            self.engine.submit(out.kv_connector_metadata, self.step_no)
+        self._write_computed_tags(out)
+        req_ids = list(out.num_scheduled_tokens)
+        sampled = []
+        for rid in req_ids:
+            req = self.sched.requests[rid]
+            sampled.append([7] if req.num_computed_tokens >= req.num_tokens else [])
+        kv_out = None
+        recving: set[str] = set()
+        if self.engine is not None:
+            sending, recving, wmeta = self.engine.complete(self.step_no)
+            kv_out = KVConnectorOutput(finished_sending=sending or None, finished_recving=recving or None,
+                                       kv_connector_worker_meta=wmeta)
+        mro = ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
+                                sampled_token_ids=sampled, kv_connector_output=kv_out)
+        engine_outputs = self.sched.update_from_output(out, mro)
+        for eco in engine_outputs.values():
+            for o in eco.outputs:
+                if o.finish_reason is not None:
+                    self.finished.add(o.request_id)
+        self._verify_loaded(recving)
+        loading = any(r.status.name == "WAITING_FOR_REMOTE_KVS" for r in self.sched.requests.values())
+        in_flight = loading or (self.engine is not None and self.engine.pending())
+        rec = StepRecord(self.step_no, out.total_num_scheduled_tokens, len(self.sched.running),
+                         len(self.sched.waiting) + len(getattr(self.sched, "kv_holding_waiting", ()) or ()),
+                         self.pool.get_num_free_blocks(), in_flight)
+        if self.record:
+            self.history.append(rec)
+        for hook in self.on_step:
+            hook(self, out)
+        return rec
+
+    def run(self, max_steps: int = 100_000, stall_steps: int = 50,
+            until: Callable[["SchedulerDriver"], bool] | None = None) -> DriveResult:
+        zero_run = 0
+        zero_idle_total = 0
+        first_stall = None
+        while self.step_no < max_steps:
+            if until is not None and until(self):
+                break
+            if until is None and not self.sched.has_unfinished_requests() and not (
+                    self.engine is not None and self.engine.pending()):
+                break
+            rec = self.step()
+            waiting = self.sched.get_num_unfinished_requests() > 0
+            if rec.scheduled_tokens == 0 and waiting and not rec.transfers_in_flight:
+                zero_run += 1
+                zero_idle_total += 1
+                if zero_run >= stall_steps:
+                    first_stall = rec.step - stall_steps + 1
+                    return DriveResult(self.step_no, True, first_stall, zero_idle_total, self.finished,
+                                       self.history)
+            else:
+                zero_run = 0
+        return DriveResult(self.step_no, False, None, zero_idle_total, self.finished, self.history)
+
+    def idle_invariant(self) -> bool:
+        return (not self.sched.has_unfinished_requests()
+                and self.pool.get_num_free_blocks() == self.sched.kv_cache_config.num_blocks - 1)
