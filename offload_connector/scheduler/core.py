@@ -189,12 +189,14 @@ class OffloadScheduler:
     def plan_load(self, request: Any, hit: int, local_blocks: list[list[Any]]) -> ledger.LoadPlan:
         """Exact per-group blocks a load of `hit` tokens takes now and may still take through its prompt."""
         target = self._target_tokens(request)
-        now, remaining = [], []
+        now, remaining, entries, live = [], [], [], []
         for g in self.groups:
-            taken, entries, live = ledger.load_blocks(g, hit, local_blocks[g.index])
+            taken, n_entries, n_live = ledger.load_blocks(g, hit, local_blocks[g.index])
             now.append(taken)
-            remaining.append(ledger.remaining_blocks(g, target, entries, live))
-        return ledger.LoadPlan(hit, tuple(now), tuple(remaining))
+            entries.append(n_entries)
+            live.append(n_live)
+            remaining.append(ledger.remaining_blocks(g, target, n_entries, n_live))
+        return ledger.LoadPlan(hit, tuple(now), tuple(remaining), tuple(entries), tuple(live))
 
     def _target_tokens(self, request: Any) -> int:
         # The prompt, then one decode step (plus speculative and lookahead slots) so the request can run at all.

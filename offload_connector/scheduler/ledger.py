@@ -63,6 +63,8 @@ class LoadPlan:
     hit_tokens: int
     now: tuple[int, ...]  # per group
     remaining: tuple[int, ...]  # per group, after the load
+    entries: tuple[int, ...] = ()  # block-table entries per group after the load (null padding included)
+    live: tuple[int, ...] = ()  # real blocks per group after the load
 
     @property
     def total(self) -> int:

@@ -189,7 +189,11 @@ class SchedulerDriver:
                 if o.finish_reason is not None:
                     self.finished.add(o.request_id)
         self._verify_loaded(recving)
-        loading = any(r.status.name == "WAITING_FOR_REMOTE_KVS" for r in self.sched.requests.values())
+        # A load whose completion vLLM has been told about but not yet processed (its queue scan broke before
+        # reaching it) is not in flight: nothing will change unless the scheduler makes progress.
+        landed = getattr(self.sched, "finished_recving_kv_req_ids", set())
+        loading = any(r.status.name == "WAITING_FOR_REMOTE_KVS" and r.request_id not in landed
+                      for r in self.sched.requests.values())
         in_flight = loading or (self.engine is not None and self.engine.pending())
         rec = StepRecord(self.step_no, out.total_num_scheduled_tokens, len(self.sched.running),
                          len(self.sched.waiting) + len(getattr(self.sched, "kv_holding_waiting", ()) or ()),
