@@ -141,6 +141,19 @@ def test_no_prefix_caching_hashes_at_scheduler_block():
     assert (sim.scheduler_block_size, sim.hash_block_size) == (32, 32)
 
 
+def test_connector_alone_enables_fine_hashing():
+    from vllm.config import KVTransferConfig
+
+    kv = KVTransferConfig(kv_connector="ExampleConnector", kv_role="kv_both")
+    _, sim = _build(GEMMA, 32768, GEMMA_BLOCKS, enable_prefix_caching=False, kv_transfer_config=kv)
+    assert (sim.scheduler_block_size, sim.hash_block_size) == (32, 16)
+
+
+def test_sim_model_refuses_a_config_for_another_model(gemma):
+    with pytest.raises(ValueError):
+        L.build_sim_model(DSV4, vllm_config=gemma[0], num_blocks=GEMMA_BLOCKS)
+
+
 def test_pool_too_small_for_max_model_len_is_refused():
     # vLLM's own start-up check: one max_model_len request must fit (a cold 1M request needs ~4.6 GiB).
     with pytest.raises(ValueError, match="max seq len"):

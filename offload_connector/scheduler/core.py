@@ -142,6 +142,10 @@ class OffloadScheduler:
         self.counters.hits += 1
         if self.config.reservation == "vllm":
             state.offered_hit = hit
+            # Still computed and logged: the comparison shows what the exact ledger would have seen.
+            plan = self.plan_load(request, hit, self._local_blocks(request, num_computed_tokens))
+            self.admissions.append(_Admission(request.request_id, self._step, plan,
+                                              self._pool.get_num_free_blocks()))
             return hit - num_computed_tokens, True
         return self._admit(request, state, num_computed_tokens, hit)
 

@@ -39,7 +39,7 @@ from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 
 try:  # 0.33 moved the planner out of kv_cache_utils
     from vllm.v1.core import kv_cache_planning as _planner
-except ImportError:  # pragma: no cover - 0.32
+except ImportError:  # 0.32
     _planner = _kcu
 
 MODELS_DIR = Path(__file__).parent / "models"
@@ -204,8 +204,15 @@ def layer_specs(vllm_config: VllmConfig) -> dict[str, KVCacheSpec]:
 
 
 def build_sim_model(name_or_path: str, *, vllm_config: VllmConfig, num_blocks: int) -> SimModel:
-    """Plan the KV cache with vLLM's planner, in EngineCore._initialize_kv_caches' order."""
+    """Plan the KV cache with vLLM's planner, in EngineCore._initialize_kv_caches' order.
+
+    Updates `vllm_config` as EngineCore does (layout, num_gpu_blocks[_override], block_size). Raises vLLM's
+    ValueError when `num_blocks` cannot hold one `max_model_len` request.
+    """
     vc, cc = vllm_config, vllm_config.cache_config
+    mdir = model_dir(name_or_path)
+    if Path(vc.model_config.model).resolve() != Path(mdir).resolve():
+        raise ValueError(f"vllm_config was built for {vc.model_config.model}, not {mdir}")
     specs = layer_specs(vc)
     register_all_kvcache_specs(vc)
     backends = _attention_backends(_is_dsv4(vc.model_config.hf_config))
@@ -234,8 +241,7 @@ def build_sim_model(name_or_path: str, *, vllm_config: VllmConfig, num_blocks: i
     for c in (*worker_cfgs, sched_cfg):
         c.hash_block_size = hash_bs
         c.cache_hit_alignment_tokens = align
-    name = name_or_path if (MODELS_DIR / name_or_path).is_dir() else Path(model_dir(name_or_path)).name
-    return SimModel(name=name, model_dir=model_dir(name_or_path), kv_cache_config=sched_cfg,
+    return SimModel(name=Path(mdir).name, model_dir=mdir, kv_cache_config=sched_cfg,
                     worker_kv_cache_config=worker_cfgs[0], scheduler_block_size=sched_bs, hash_block_size=hash_bs,
                     max_model_len=vc.model_config.max_model_len)
 

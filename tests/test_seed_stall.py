@@ -1,0 +1,58 @@
+"""The seed scenarios through vLLM's real Scheduler: vLLM's reservation stalls, ours completes every request."""
+
+import pytest
+
+from offload_connector.sim.scenarios import DEEPSEEK_V4_SEED, GEMMA4_SEED, run_stall_scenario
+
+
+def check_admissions_exact(result):
+    assert result.admissions, "no load was admitted"
+    for adm in result.admissions:
+        assert adm.free_before - adm.free_after == sum(adm.plan.now), adm
+        assert adm.entries_after == adm.plan.entries, adm
+        assert adm.live_after == adm.plan.live, adm
+
+
+@pytest.fixture(scope="module")
+def gemma_results():
+    return {mode: run_stall_scenario(GEMMA4_SEED, mode) for mode in ("vllm", "exact")}
+
+
+def test_gemma4_vllm_reservation_stalls(gemma_results):
+    r = gemma_results["vllm"]
+    assert r.stalled and r.first_stall_step is not None
+    assert r.returning_completed == 0
+    # Both loads were admitted side by side: 2 x 1006 blocks of the 2,187 usable, leaving 175.
+    assert [sum(a.plan.now) for a in r.admissions] == [1006, 1006]
+    assert r.free_blocks_end == 175
+    # The ledger knows why: the two loaded requests still need 678 blocks each.
+    assert sorted(sum(row.remaining) for row in r.snapshot.rows) == [678, 678]
+
+
+def test_gemma4_exact_reservation_completes(gemma_results):
+    r = gemma_results["exact"]
+    assert not r.stalled
+    assert r.returning_completed == GEMMA4_SEED.sessions
+    assert r.pool_drained
+    assert r.loaded_tokens == 2 * GEMMA4_SEED.prefix_tokens
+    assert r.deferrals > 0  # the second load had to wait for the first request's blocks
+    check_admissions_exact(r)
+    # The exact per-group numbers of the seed: 5 x 64 sliding + 686 full now, 5 x 129 + 33 still to come.
+    plan = r.admissions[0].plan
+    assert plan.now == (64, 64, 64, 64, 64, 686)
+    assert plan.remaining == (129, 129, 129, 129, 129, 33)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mode", ["vllm", "exact"])
+def test_deepseek_v4_flash_500k(mode):
+    r = run_stall_scenario(DEEPSEEK_V4_SEED, mode)
+    if mode == "vllm":
+        assert r.stalled and r.returning_completed < DEEPSEEK_V4_SEED.sessions
+        assert r.free_blocks_end < 420  # less than one 1024-token chunk of the packed groups
+    else:
+        assert not r.stalled
+        assert r.returning_completed == DEEPSEEK_V4_SEED.sessions
+        assert r.pool_drained
+        assert r.loaded_tokens == DEEPSEEK_V4_SEED.sessions * DEEPSEEK_V4_SEED.prefix_tokens
+        check_admissions_exact(r)
