@@ -37,6 +37,9 @@ class OffloadMetadata(KVConnectorMetadata):
     # Requests whose blocks the scheduler keeps alive until their stores finish: report each in
     # `finished_sending` once none of its store jobs is pending.
     delayed_free: tuple[str, ...] = ()
+    # Store jobs whose source blocks this step hands to another request: the worker must finish reading them
+    # before this step's forward writes those blocks.
+    store_fences: tuple[int, ...] = ()
 
 
 @dataclass

@@ -102,6 +102,9 @@ class OffloadScheduler:
         self._pending_loads: list[TransferJob] = []
         self._pending_stores: list[TransferJob] = []
         self._delayed_free: list[str] = []
+        self._block_readers: dict[int, set[int]] = {}  # GPU block -> store jobs still reading it
+        self._job_blocks: dict[int, tuple[int, ...]] = {}
+        self._awaiting_free: set[str] = set()  # blocks kept alive for stores; vLLM frees on finished_sending
         # Loads whose request was aborted mid-copy: their tier entries stay pinned until the worker reports them.
         self._orphan_loads: dict[int, _LoadState] = {}
         self.admissions: deque[_Admission] = deque(maxlen=4096)
@@ -351,6 +354,9 @@ class OffloadScheduler:
         job = TransferJob(self._new_job_id(), request.request_id, tuple(groups_[i] for i in sel),
                           tuple(gpu[i] for i in sel), tuple(reserved[keylist[i]] for i in sel))
         self._store_jobs[job.job_id] = (request.request_id, [keylist[i] for i in sel], 0)
+        self._job_blocks[job.job_id] = job.gpu_blocks
+        for bid in job.gpu_blocks:
+            self._block_readers.setdefault(bid, set()).add(job.job_id)
         state.pending_stores.add(job.job_id)
         self._pending_stores.append(job)
         self.counters.stores += 1
@@ -371,6 +377,7 @@ class OffloadScheduler:
             self._plan_stores(state, request.num_computed_tokens, [list(ids) for ids in block_ids])
         if state.pending_stores:
             self._delayed_free.append(rid)
+            self._awaiting_free.add(rid)
             return True, None
         del self._requests[rid]
         return False, None
@@ -378,15 +385,36 @@ class OffloadScheduler:
     # ------------------------------------------------------------- step output
     def build_meta(self, scheduler_output: Any) -> OffloadMetadata:
         self._step += 1
+        # Fences look only at stores issued in earlier steps: this step's stores read after this step's forward.
+        fences = self._fences(scheduler_output)
         for rid, n in scheduler_output.num_scheduled_tokens.items():
             state = self._requests.get(rid)
             if state is None or rid in self._loads:
                 continue
             self._plan_stores(state, state.request.num_computed_tokens + n, None)
         meta = OffloadMetadata(step=self._step, loads=tuple(self._pending_loads), stores=tuple(self._pending_stores),
-                               delayed_free=tuple(self._delayed_free))
+                               delayed_free=tuple(self._delayed_free), store_fences=fences)
         self._pending_loads, self._pending_stores, self._delayed_free = [], [], []
         return meta
+
+    def _fences(self, scheduler_output: Any) -> tuple[int, ...]:
+        """Store jobs still reading a block that this step allocates afresh (freed by a window move, reused)."""
+        if not self._block_readers:
+            return ()
+        fences: set[int] = set()
+
+        def scan(block_ids: Any) -> None:
+            for ids in block_ids or ():
+                for bid in ids:
+                    readers = self._block_readers.get(bid)
+                    if readers:
+                        fences.update(readers)
+
+        for new in scheduler_output.scheduled_new_reqs:
+            scan(new.block_ids)
+        for ids in scheduler_output.scheduled_cached_reqs.new_block_ids:
+            scan(ids)
+        return tuple(sorted(fences))
 
     def update_connector_output(self, output: Any) -> None:
         for rid in output.finished_recving or ():
@@ -398,8 +426,9 @@ class OffloadScheduler:
             for job_id in meta.stores_failed:
                 self._finish_store(job_id, ok=False)
         for rid in output.finished_sending or ():
+            self._awaiting_free.discard(rid)
             state = self._requests.get(rid)
-            if state is not None and state.finished and not state.pending_stores:
+            if state is not None and state.finished:
                 del self._requests[rid]
 
     def _finish_load(self, rid: str, ok: bool) -> None:
@@ -425,13 +454,20 @@ class OffloadScheduler:
             self._store_jobs[job_id] = (rid, keys, seen + 1)
             return
         del self._store_jobs[job_id]
+        for bid in self._job_blocks.pop(job_id, ()):
+            readers = self._block_readers.get(bid)
+            if readers is not None:
+                readers.discard(job_id)
+                if not readers:
+                    del self._block_readers[bid]
         self.tier.finish_store(keys, ok=ok)
         state = self._requests.get(rid)
         if state is not None:
             state.pending_stores.discard(job_id)
 
     def has_pending_work(self) -> bool:
-        return bool(self._loads or self._store_jobs or self._pending_loads or self._pending_stores)
+        return bool(self._loads or self._store_jobs or self._pending_loads or self._pending_stores
+                    or self._awaiting_free or self._orphan_loads)
 
 
 

@@ -47,7 +47,8 @@ def build_custom(groups: Sequence[GroupDesc], *, num_blocks: int, max_num_batche
     from vllm.v1.structured_output import StructuredOutputManager
 
     vc = build_vllm_config("tiny-llama", max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens,
-                           num_gpu_blocks=num_blocks, kv_transfer_config=kv_transfer_config)
+                           num_gpu_blocks=num_blocks, kv_transfer_config=kv_transfer_config,
+                           max_num_seqs=min(64, max_num_batched_tokens))
     specs = [KVCacheGroupSpec([f"layers.{i}.attn"], make_spec(*g)) for i, g in enumerate(groups)]
     sizes = [g[1] for g in groups]
     sched_bs, hash_bs = math.lcm(*sizes), math.gcd(*sizes)

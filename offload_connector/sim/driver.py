@@ -25,6 +25,7 @@ class _InFlight:
     due: int
     job: TransferJob
     is_load: bool
+    captured: list[Hashable] | None = None  # a fenced store read its source blocks early
 
 
 class TagCopyEngine:
@@ -38,6 +39,7 @@ class TagCopyEngine:
         self.delayed_free: set[str] = set()
         self.loads_done = 0
         self.stores_done = 0
+        self.fenced = 0
 
     def submit(self, meta: OffloadMetadata | None, step: int) -> None:
         if meta is None:
@@ -49,6 +51,13 @@ class TagCopyEngine:
         for job in meta.loads:
             self.inflight.append(_InFlight(step + self.latency, job, True))
         self.delayed_free.update(meta.delayed_free)
+        if meta.store_fences:
+            # The real worker waits for these stores before the forward; here they read their blocks now.
+            fenced = set(meta.store_fences)
+            for item in self.inflight:
+                if not item.is_load and item.job.job_id in fenced and item.captured is None:
+                    item.captured = [self.gpu.get(b) for b in item.job.gpu_blocks]
+            self.fenced += len(fenced)
 
     def pending(self) -> bool:
         return bool(self.inflight)
@@ -68,8 +77,9 @@ class TagCopyEngine:
                 recving.add(job.request_id)
                 self.loads_done += 1
             else:
-                for bid, slot in zip(job.gpu_blocks, job.host_slots):
-                    self.host[slot] = self.gpu.get(bid)
+                data = item.captured or [self.gpu.get(b) for b in job.gpu_blocks]
+                for tag, slot in zip(data, job.host_slots):
+                    self.host[slot] = tag
                 done_stores.append(job.job_id)
                 self.stores_done += 1
         self.inflight = still
@@ -175,6 +185,13 @@ class SchedulerDriver:
         for rid in req_ids:
             req = self.sched.requests[rid]
             sampled.append([7] if req.num_computed_tokens >= req.num_tokens else [])
+        # Whether a transfer was in flight during this step (measured before this step's completions land).
+        landed = getattr(self.sched, "finished_recving_kv_req_ids", set())
+        # Blocks of finished requests that wait only for their store's hand-off also come back on their own.
+        conn = self.sched.get_kv_connector()
+        in_flight = (self.engine is not None and self.engine.pending()) or any(
+            r.status.name == "WAITING_FOR_REMOTE_KVS" and r.request_id not in landed
+            for r in self.sched.requests.values()) or (conn is not None and conn.has_pending_push_work())
         kv_out = None
         recving: set[str] = set()
         if self.engine is not None:
@@ -189,12 +206,8 @@ class SchedulerDriver:
                 if o.finish_reason is not None:
                     self.finished.add(o.request_id)
         self._verify_loaded(recving)
-        # A load whose completion vLLM has been told about but not yet processed (its queue scan broke before
-        # reaching it) is not in flight: nothing will change unless the scheduler makes progress.
-        landed = getattr(self.sched, "finished_recving_kv_req_ids", set())
-        loading = any(r.status.name == "WAITING_FOR_REMOTE_KVS" and r.request_id not in landed
-                      for r in self.sched.requests.values())
-        in_flight = loading or (self.engine is not None and self.engine.pending())
+        # A load whose completion vLLM was told about but has not processed (its queue scan broke before reaching
+        # it) is not in flight: it is excluded above, so a wedged scheduler reads as idle.
         rec = StepRecord(self.step_no, out.total_num_scheduled_tokens, len(self.sched.running),
                          len(self.sched.waiting) + len(getattr(self.sched, "kv_holding_waiting", ()) or ()),
                          self.pool.get_num_free_blocks(), in_flight)
@@ -212,8 +225,7 @@ class SchedulerDriver:
         while self.step_no < max_steps:
             if until is not None and until(self):
                 break
-            if until is None and not self.sched.has_unfinished_requests() and not (
-                    self.engine is not None and self.engine.pending()):
+            if until is None and not self.busy():
                 break
             rec = self.step()
             waiting = self.sched.get_num_unfinished_requests() > 0
@@ -227,6 +239,13 @@ class SchedulerDriver:
             else:
                 zero_run = 0
         return DriveResult(self.step_no, False, None, zero_idle_total, self.finished, self.history)
+
+    def busy(self) -> bool:
+        """Whether stepping can still change anything: requests, transfers, or connector work not yet issued."""
+        conn = self.sched.get_kv_connector()
+        return bool(self.sched.has_unfinished_requests()
+                    or (self.engine is not None and self.engine.pending())
+                    or (conn is not None and conn.has_pending_push_work()))
 
     def idle_invariant(self) -> bool:
         return (not self.sched.has_unfinished_requests()

@@ -21,7 +21,14 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 
 import torch  # noqa: E402
-from vllm.config import CacheConfig, DeviceConfig, ModelConfig, SchedulerConfig, VllmConfig  # noqa: E402
+from vllm.config import (  # noqa: E402
+    CacheConfig,
+    DeviceConfig,
+    KVTransferConfig,
+    ModelConfig,
+    SchedulerConfig,
+    VllmConfig,
+)
 from vllm.v1.attention.backends import utils as _attn_utils  # noqa: E402
 from vllm.v1.core import kv_cache_utils as _kcu  # noqa: E402
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
@@ -90,7 +97,7 @@ def build_vllm_config(
     max_num_seqs: int = 256,
     num_gpu_blocks: int,
     async_scheduling: bool = True,
-    kv_transfer_config: Any = None,
+    kv_transfer_config: KVTransferConfig | None = None,
     num_speculative_tokens: int = 0,
     enable_prefix_caching: bool = True,
 ) -> VllmConfig:

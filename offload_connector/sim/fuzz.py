@@ -1,0 +1,140 @@
+"""Random scenarios over random layouts, checked step by step (shared by the property tests and the benchmark)."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+from typing import Any
+
+from offload_connector.groups import cdiv
+from offload_connector.sim.custom import GroupDesc, build_custom
+from offload_connector.sim.driver import LoadContentError, SchedulerDriver, TagCopyEngine
+from offload_connector.sim.requests import make_request, tokens
+from offload_connector.sim.scenarios import connector_config
+
+
+@dataclass(frozen=True)
+class FuzzCase:
+    groups: tuple[GroupDesc, ...]
+    max_num_batched_tokens: int
+    pool_factor: float  # pool = factor x the largest single request's cold need
+    sessions: tuple[tuple[int, int, int, int], ...]  # (first prompt, max_tokens, kept prefix, new tokens)
+    reset_prefix_cache: bool
+    return_gaps: tuple[int, ...]  # steps between returning arrivals
+    latency_steps: int
+    seed: int
+
+
+@dataclass
+class FuzzOutcome:
+    mismatches: list[str] = field(default_factory=list)
+    stalls: int = 0
+    idle_zero_steps: int = 0
+    undrained: int = 0
+    admissions: int = 0
+    loaded_tokens: int = 0
+
+    @property
+    def ok(self) -> bool:
+        return not (self.mismatches or self.stalls or self.idle_zero_steps or self.undrained)
+
+
+MAX_MODEL_LEN = 8192
+
+
+def random_case(rng: random.Random) -> FuzzCase:
+    kinds = ["full", "mla", "sliding", "sliding_mla", "chunked"]
+    n_groups = rng.randint(1, 4)
+    groups = []
+    for _ in range(n_groups):
+        kind = rng.choice(kinds)
+        bs = rng.choice([16, 32, 64])
+        extent = 0
+        if kind in ("sliding", "sliding_mla"):
+            extent = rng.choice([16, 48, 64, 128, 257, 512])
+        elif kind == "chunked":
+            extent = bs * rng.choice([2, 4, 8])
+        groups.append((kind, bs, extent))
+    if any(k == "chunked" for k, _, _ in groups):
+        # vLLM supports chunked local attention only when every group has the same block size.
+        bs = groups[0][1]
+        groups = [(k, bs, bs * rng.choice([2, 4, 8]) if k == "chunked" else e) for k, _, e in groups]
+    # vLLM's hybrid coordinator wants at least one full-attention-like group to anchor prefix hits.
+    if not any(k in ("full", "mla") for k, _, _ in groups) and rng.random() < 0.7:
+        groups[0] = ("full", groups[0][1], 0)
+    sessions = []
+    for _ in range(rng.randint(1, 5)):
+        first = rng.randint(40, 3000)
+        sessions.append((first, rng.randint(1, 6), rng.randint(0, first + 6), rng.randint(1, 1200)))
+    return FuzzCase(
+        groups=tuple(groups), max_num_batched_tokens=rng.choice([64, 128, 256, 512]),
+        pool_factor=rng.uniform(1.05, 3.0), sessions=tuple(sessions), reset_prefix_cache=rng.random() < 0.7,
+        return_gaps=tuple(rng.choice([0, 0, 1, 3, 10]) for _ in sessions), latency_steps=rng.randint(1, 4),
+        seed=rng.randrange(1 << 30))
+
+
+def _cold_need(case: FuzzCase, length: int, in_flight: int) -> int:
+    total = 0
+    for kind, bs, extent in case.groups:
+        blocks = cdiv(length + 1, bs)
+        if kind in ("sliding", "sliding_mla"):
+            blocks = min(blocks, cdiv(extent - 1 + in_flight, bs) + 1)
+        elif kind == "chunked":
+            blocks = min(blocks, cdiv(extent + in_flight, bs))
+        total += blocks
+    return total
+
+
+def run_case(case: FuzzCase, max_steps: int = 20_000) -> FuzzOutcome:
+    outcome = FuzzOutcome()
+    longest = max(max(first + mt, keep + new + mt) for first, mt, keep, new in case.sessions)
+    num_blocks = int(_cold_need(case, longest, 2 * case.max_num_batched_tokens) * case.pool_factor) + 2
+    sched, hash_bs = build_custom(case.groups, num_blocks=num_blocks,
+                                  max_num_batched_tokens=case.max_num_batched_tokens, max_model_len=MAX_MODEL_LEN,
+                                  kv_transfer_config=connector_config("exact", 1 << 40))
+    drv = SchedulerDriver(sched, TagCopyEngine(case.latency_steps))
+    base = [tokens(case.seed + s, first) for s, (first, _, _, _) in enumerate(case.sessions)]
+    drv.add([make_request(f"w{s}", base[s], mt, hash_bs) for s, (_, mt, _, _) in enumerate(case.sessions)])
+    try:
+        res = drv.run(max_steps=max_steps, stall_steps=20)
+        outcome.stalls += res.stalled
+        outcome.idle_zero_steps += res.zero_token_steps_idle
+        if case.reset_prefix_cache:
+            sched.reset_prefix_cache()
+        returning = []
+        for s, (first, mt, keep, new) in enumerate(case.sessions):
+            warm = sched.requests.get(f"w{s}")
+            history = base[s] + [7] * mt  # the simulated model samples token 7
+            prompt = history[:keep] + tokens(case.seed + 1000 + s, new)
+            returning.append(make_request(f"r{s}", prompt, mt, hash_bs))
+            del warm
+        pending = list(zip(case.return_gaps, returning))
+        while pending or drv.busy():
+            if drv.step_no >= max_steps:
+                break
+            if pending and pending[0][0] <= 0:
+                drv.add([pending.pop(0)[1]])
+                continue
+            if pending:
+                pending[0] = (pending[0][0] - 1, pending[0][1])
+            rec = drv.step()
+            waiting = sched.get_num_unfinished_requests() > 0
+            if rec.scheduled_tokens == 0 and waiting and not rec.transfers_in_flight:
+                outcome.idle_zero_steps += 1
+    except LoadContentError as err:
+        outcome.mismatches.append(f"content: {err}")
+    side = drv.side
+    for adm in side.admissions:
+        outcome.admissions += 1
+        if adm.free_after is None:
+            continue  # vLLM itself refused the allocation after our verdict; nothing was taken
+        if adm.free_before - adm.free_after != sum(adm.plan.now):
+            outcome.mismatches.append(f"{adm.request_id}: took {adm.free_before - adm.free_after} blocks, "
+                                      f"predicted {sum(adm.plan.now)} {adm.plan.now}")
+        if adm.entries_after != adm.plan.entries or adm.live_after != adm.plan.live:
+            outcome.mismatches.append(f"{adm.request_id}: per-group entries/live {adm.entries_after}/"
+                                      f"{adm.live_after}, predicted {adm.plan.entries}/{adm.plan.live}")
+    outcome.loaded_tokens = side.counters.loaded_tokens
+    if not drv.idle_invariant():
+        outcome.undrained += 1
+    return outcome
