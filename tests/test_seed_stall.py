@@ -56,3 +56,12 @@ def test_deepseek_v4_flash_500k(mode):
         assert r.pool_drained
         assert r.loaded_tokens == DEEPSEEK_V4_SEED.sessions * DEEPSEEK_V4_SEED.prefix_tokens
         check_admissions_exact(r)
+
+
+def test_aged_deferral_falls_back_to_recompute():
+    # With a 3-step deferral limit the second returning request stops waiting for the pool and recomputes.
+    r = run_stall_scenario(GEMMA4_SEED, "exact", max_deferral_steps=3)
+    assert not r.stalled and r.pool_drained
+    assert r.returning_completed == GEMMA4_SEED.sessions
+    assert r.deferral_timeouts == 1
+    assert r.loaded_tokens == GEMMA4_SEED.prefix_tokens  # only the first load happened

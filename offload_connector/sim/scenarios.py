@@ -47,6 +47,7 @@ class ScenarioResult:
     num_blocks: int
     loaded_tokens: int
     deferrals: int
+    deferral_timeouts: int
     admissions: list[Any] = field(default_factory=list)
     snapshot: Any = None
 
@@ -55,25 +56,25 @@ class ScenarioResult:
         return self.free_blocks_end == self.num_blocks - 1
 
 
-def connector_config(reservation: str, cpu_bytes: int) -> Any:
+def connector_config(reservation: str, cpu_bytes: int, **extra: Any) -> Any:
     from vllm.config import KVTransferConfig
 
     return KVTransferConfig(kv_connector="OffloadConnector", kv_connector_module_path="offload_connector",
                             kv_role="kv_both", kv_connector_extra_config={"cpu_bytes": cpu_bytes,
-                                                                          "reservation": reservation})
+                                                                          "reservation": reservation, **extra})
 
 
-def build(scn: StallScenario, reservation: str) -> tuple[SchedulerDriver, Any]:
+def build(scn: StallScenario, reservation: str, **extra: Any) -> tuple[SchedulerDriver, Any]:
     vc = build_vllm_config(scn.model, max_model_len=scn.max_model_len,
                            max_num_batched_tokens=scn.max_num_batched_tokens, num_gpu_blocks=scn.num_blocks,
-                           kv_transfer_config=connector_config(reservation, scn.cpu_bytes))
+                           kv_transfer_config=connector_config(reservation, scn.cpu_bytes, **extra))
     sim = build_sim_model(scn.model, vllm_config=vc, num_blocks=scn.num_blocks)
     sched = build_scheduler(sim, vc)
     return SchedulerDriver(sched, TagCopyEngine(latency_steps=1)), sim
 
 
-def run_stall_scenario(scn: StallScenario, reservation: str, progress: Any = None) -> ScenarioResult:
-    drv, sim = build(scn, reservation)
+def run_stall_scenario(scn: StallScenario, reservation: str, progress: Any = None, **extra: Any) -> ScenarioResult:
+    drv, sim = build(scn, reservation, **extra)
     prompts = [tokens(1000 + s, scn.prompt_tokens) for s in range(scn.sessions)]
     # One token past the prefix: the window stored at the prefix boundary then ends exactly at the hit.
     for s, prompt in enumerate(prompts):
@@ -94,4 +95,5 @@ def run_stall_scenario(scn: StallScenario, reservation: str, progress: Any = Non
         scenario=scn, reservation=reservation, stalled=result.stalled, first_stall_step=result.first_stall_step,
         returning_completed=done, steps=result.steps, free_blocks_end=drv.pool.get_num_free_blocks(),
         num_blocks=scn.num_blocks, loaded_tokens=side.counters.loaded_tokens, deferrals=side.counters.deferrals,
+        deferral_timeouts=side.counters.deferral_timeouts,
         admissions=list(side.admissions), snapshot=side.snapshot())
