@@ -99,6 +99,11 @@ class StepRecord:
     free_blocks: int
     transfers_in_flight: bool
 
+    @property
+    def idle_while_waiting(self) -> bool:
+        """The stall signature: nothing scheduled, requests waiting, and nothing in flight that could change it."""
+        return self.scheduled_tokens == 0 and self.waiting > 0 and not self.transfers_in_flight
+
 
 @dataclass
 class DriveResult:
@@ -114,8 +119,14 @@ class SchedulerDriver:
     """Steps a real vLLM scheduler; `engine` simulates our connector's worker (None for other connectors)."""
 
     def __init__(self, scheduler: Any, engine: TagCopyEngine | None = None, check_loads: bool = True,
-                 record: bool = False) -> None:
+                 record: bool = False, batch_depth: int | None = None) -> None:
         self.sched = scheduler
+        cfg = scheduler.vllm_config
+        if batch_depth is None:
+            # EngineCore keeps max_concurrent_batches batches in flight under async scheduling.
+            batch_depth = getattr(cfg, "max_concurrent_batches", 1) if cfg.scheduler_config.async_scheduling else 1
+        self.batch_depth = max(1, batch_depth)
+        self._queue: deque[tuple[Any, list[str], list[list[int]]]] = deque()
         self.engine = engine
         self.check_loads = check_loads
         self.record = record
@@ -173,8 +184,8 @@ class SchedulerDriver:
 
     # --------------------------------------------------------------------- step
     def step(self) -> StepRecord:
-        from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
-
+        """One engine step. With `batch_depth` 2 (async scheduling, as EngineCore's batch queue runs it) the next
+        batch is scheduled before the previous one's output is applied."""
         self.step_no += 1
         out = self.sched.schedule()
         if self.engine is not None:
@@ -185,13 +196,33 @@ class SchedulerDriver:
         for rid in req_ids:
             req = self.sched.requests[rid]
             sampled.append([7] if req.num_computed_tokens >= req.num_tokens else [])
-        # Whether a transfer was in flight during this step (measured before this step's completions land).
+        # Whether a transfer was in flight during this step (measured before this step's completions land). A load
+        # whose completion vLLM was told about but has not processed (its queue scan broke before reaching it) is
+        # not in flight, so a wedged scheduler reads as idle. Blocks of finished requests that wait only for their
+        # store's hand-off come back on their own, so that counts as in flight.
         landed = getattr(self.sched, "finished_recving_kv_req_ids", set())
-        # Blocks of finished requests that wait only for their store's hand-off also come back on their own.
         conn = self.sched.get_kv_connector()
         in_flight = (self.engine is not None and self.engine.pending()) or any(
             r.status.name == "WAITING_FOR_REMOTE_KVS" and r.request_id not in landed
             for r in self.sched.requests.values()) or (conn is not None and conn.has_pending_push_work())
+        self._queue.append((out, req_ids, sampled))
+        in_flight = in_flight or len(self._queue) > 1  # an earlier batch was still executing during this one
+        # A full queue waits for its oldest batch; an empty step has nothing to overlap, so everything lands.
+        while self._queue and (len(self._queue) >= self.batch_depth or out.total_num_scheduled_tokens == 0):
+            self._apply_oldest()
+        rec = StepRecord(self.step_no, out.total_num_scheduled_tokens, len(self.sched.running),
+                         len(self.sched.waiting) + len(getattr(self.sched, "kv_holding_waiting", ()) or ()),
+                         self.pool.get_num_free_blocks(), in_flight)
+        if self.record:
+            self.history.append(rec)
+        for hook in self.on_step:
+            hook(self, out)
+        return rec
+
+    def _apply_oldest(self) -> None:
+        from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+
+        out, req_ids, sampled = self._queue.popleft()
         kv_out = None
         recving: set[str] = set()
         if self.engine is not None:
@@ -206,16 +237,6 @@ class SchedulerDriver:
                 if o.finish_reason is not None:
                     self.finished.add(o.request_id)
         self._verify_loaded(recving)
-        # A load whose completion vLLM was told about but has not processed (its queue scan broke before reaching
-        # it) is not in flight: it is excluded above, so a wedged scheduler reads as idle.
-        rec = StepRecord(self.step_no, out.total_num_scheduled_tokens, len(self.sched.running),
-                         len(self.sched.waiting) + len(getattr(self.sched, "kv_holding_waiting", ()) or ()),
-                         self.pool.get_num_free_blocks(), in_flight)
-        if self.record:
-            self.history.append(rec)
-        for hook in self.on_step:
-            hook(self, out)
-        return rec
 
     def run(self, max_steps: int = 100_000, stall_steps: int = 50,
             until: Callable[["SchedulerDriver"], bool] | None = None) -> DriveResult:
@@ -228,8 +249,7 @@ class SchedulerDriver:
             if until is None and not self.busy():
                 break
             rec = self.step()
-            waiting = self.sched.get_num_unfinished_requests() > 0
-            if rec.scheduled_tokens == 0 and waiting and not rec.transfers_in_flight:
+            if rec.idle_while_waiting:
                 zero_run += 1
                 zero_idle_total += 1
                 if zero_run >= stall_steps:
@@ -243,7 +263,7 @@ class SchedulerDriver:
     def busy(self) -> bool:
         """Whether stepping can still change anything: requests, transfers, or connector work not yet issued."""
         conn = self.sched.get_kv_connector()
-        return bool(self.sched.has_unfinished_requests()
+        return bool(self._queue or self.sched.has_unfinished_requests()
                     or (self.engine is not None and self.engine.pending())
                     or (conn is not None and conn.has_pending_push_work()))
 

@@ -118,8 +118,7 @@ def run_case(case: FuzzCase, max_steps: int = 20_000) -> FuzzOutcome:
             if pending:
                 pending[0] = (pending[0][0] - 1, pending[0][1])
             rec = drv.step()
-            waiting = sched.get_num_unfinished_requests() > 0
-            if rec.scheduled_tokens == 0 and waiting and not rec.transfers_in_flight:
+            if rec.idle_while_waiting:
                 outcome.idle_zero_steps += 1
     except LoadContentError as err:
         outcome.mismatches.append(f"content: {err}")
