@@ -44,7 +44,6 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-os.environ.setdefault("VLLM_LOGGING_LEVEL", "ERROR")  # one connector-init warning per scheduler otherwise
 import offload_connector.sim  # noqa: E402,F401  (sets the CPU/offline environment before vLLM is imported)
 
 MODEL = "gemma-4-31b"
@@ -185,6 +184,10 @@ def stored_blocks(kind: str, drv: Any) -> int:
     return 0
 
 
+def tier_evictions(kind: str, drv: Any) -> int:
+    return drv.side.tier.evictions if kind == "ours" else 0
+
+
 # --------------------------------------------------------------------------- one measurement
 def measure(kind: str, n: int, args: argparse.Namespace, progress: Callable[[str], None]) -> dict[str, Any]:
     drv, sim, info = build(kind, n, args, args.steps)
@@ -219,6 +222,7 @@ def measure(kind: str, n: int, args: argparse.Namespace, progress: Callable[[str
     progress("timed")
     total, conn_only, calls, sched_tokens = [], [], [], []
     stored0 = stored_blocks(kind, drv)
+    evict0 = tier_evictions(kind, drv)
     preempted = 0
     for _ in range(args.steps):
         timer.reset()
@@ -232,11 +236,15 @@ def measure(kind: str, n: int, args: argparse.Namespace, progress: Callable[[str
         sched_tokens.append(tok)
         preempted += len(sched.running) != n
     info["stored_blocks_per_step"] = (stored_blocks(kind, drv) - stored0) / args.steps
+    info["tier_evictions_per_step"] = (tier_evictions(kind, drv) - evict0) / args.steps
     info["tokens_per_step_min"] = min(sched_tokens)
     info["steps_not_all_running"] = preempted
     info["connector_calls_per_step"] = statistics.mean(calls)
     if kind == "ours":
-        info["tier_capacity_blocks"] = drv.side.tier.capacity if hasattr(drv.side.tier, "capacity") else None
+        info["tier_capacity"] = f"{drv.side.tier.capacity_slots} host blocks"
+    elif kind.startswith("vllm"):
+        mgr = conn.connector_scheduler.manager
+        info["tier_capacity"] = f"{getattr(mgr, '_num_chunks', '?')} chunks"
     return {"kind": kind, "n": n, "total_s": total, "conn_s": conn_only, "info": info}
 
 
@@ -265,13 +273,18 @@ def main() -> int:
     ap.add_argument("--cpu-bytes", type=int, default=64 * 2**30, help="CPU tier bytes for both connectors")
     ap.add_argument("--no-vllm-decode", action="store_true",
                     help="skip the vLLM offload_prompt_only=false row")
+    ap.add_argument("--verbose", action="store_true", help="keep vLLM's warnings")
     ap.add_argument("--json", metavar="PATH", help="write all results (per-step samples included) here")
     args = ap.parse_args()
     ns = [int(x) for x in args.requests.split(",") if x.strip()]
     kinds = ["none", "ours", "vllm"] + ([] if args.no_vllm_decode else ["vllm-decode"])
 
+    import logging
+
     import vllm
 
+    if not args.verbose:  # vLLM warns once per connector and scheduler built; keep the progress bar readable
+        logging.getLogger("vllm").setLevel(logging.ERROR)
     env = {"cpu": cpu_model(), "cores": os.cpu_count(), "python": platform.python_version(),
            "vllm": vllm.__version__, "model_layout": MODEL}
     try:
@@ -364,6 +377,15 @@ def main() -> int:
         if inf["steps_not_all_running"] or inf["tokens_per_step_min"] < n:
             notes.append(f"  WARNING N={n} {kind}: {inf['steps_not_all_running']} timed steps without all "
                          f"{n} running; min tokens/step {inf['tokens_per_step_min']}")
+    for n in ns:
+        o, v = table[(n, "ours")]["info"], table[(n, "vllm")]["info"]
+        print(f"  N={n}: CPU tier ours {o['tier_capacity']}, vLLM {v['tier_capacity']}; ours evicted "
+              f"{o['tier_evictions_per_step']:.1f} host blocks/step while timed; batch depth {o['batch_depth']}, "
+              f"{o['num_blocks']} GPU blocks, warm-up {o['warmup_steps']} steps")
+        if o["tier_evictions_per_step"] > 0:
+            print(f"  N={n}: ours' CPU tier is full while timed (the N requests' blocks exceed "
+                  f"{args.cpu_bytes / 2**30:g} GiB), so decode re-stores sliding windows whose older blocks were "
+                  "evicted; compare with a larger --cpu-bytes")
     for line in notes:
         print(line)
     if args.json:
