@@ -12,7 +12,6 @@ import argparse
 import json
 import sys
 import time
-from dataclasses import asdict
 from typing import Any
 
 

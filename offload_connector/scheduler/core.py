@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 from typing import Any, Hashable
 
 from offload_connector.config import OffloadConfig
-from offload_connector.groups import GroupInfo, cdiv, check_against_manager, describe_groups, hit_alignment
+from offload_connector.groups import GroupInfo, check_against_manager, describe_groups, hit_alignment
 from offload_connector.metadata import OffloadMetadata, OffloadWorkerMetadata, TransferJob
 from offload_connector.scheduler import ledger
 from offload_connector.scheduler.lookup import BlockKeys, longest_hit

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
-from typing import Any
 
 from offload_connector.groups import cdiv
 from offload_connector.sim.custom import GroupDesc, build_custom
