@@ -6,6 +6,7 @@ Lives in vLLM's scheduler process. It never imports CUDA and only hands plain `O
 from __future__ import annotations
 
 import logging
+import math
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Hashable
@@ -18,9 +19,6 @@ from offload_connector.scheduler.lookup import BlockKeys, longest_hit
 from offload_connector.scheduler.tier_index import TierIndex
 
 logger = logging.getLogger("offload_connector")
-
-_FINISHED_PREFIXES = ("FINISHED",)
-
 
 @dataclass
 class _LoadState:
@@ -37,7 +35,6 @@ class _ReqState:
     no_load: bool = False  # gave up loading (aged deferral); recompute instead
     pending_stores: set[int] = field(default_factory=set)
     finished: bool = False
-    loaded_tokens: int = 0
     offered_hit: int = 0  # the hit (local + external) last offered to vLLM
 
 
@@ -281,7 +278,6 @@ class OffloadScheduler:
         self._loads[rid] = _LoadState(job, keylist)
         self._pending_loads.append(job)
         state.deferred_since = None
-        state.loaded_tokens = num_external_tokens
         # Blocks below the hit are on the GPU once the load lands; store planning starts after them.
         state.full_stored = [hit // g.block_size if not g.recycling else 0 for g in self.groups]
         state.window_boundary = hit
@@ -472,7 +468,6 @@ class OffloadScheduler:
 
 
 def _gcd_block(groups: list[GroupInfo]) -> int:
-    import math
     return math.gcd(*(g.block_size for g in groups))
 
 

@@ -133,10 +133,8 @@ class SchedulerDriver:
         self.step_no = 0
         self.finished: set[str] = set()
         self.history: list[StepRecord] = []
-        self._prev_loading: set[str] = set()
         conn = scheduler.get_kv_connector()
         self.side = getattr(conn, "scheduler_side", None)
-        self.on_step: list[Callable[["SchedulerDriver", Any], None]] = []
 
     # ------------------------------------------------------------------ helpers
     @property
@@ -215,8 +213,6 @@ class SchedulerDriver:
                          self.pool.get_num_free_blocks(), in_flight)
         if self.record:
             self.history.append(rec)
-        for hook in self.on_step:
-            hook(self, out)
         return rec
 
     def _apply_oldest(self) -> None:
