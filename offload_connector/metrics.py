@@ -1,0 +1,266 @@
+"""Connector statistics in vLLM's conventions: a `KVConnectorStats` payload and `vllm:`-prefixed Prometheus metrics.
+
+How the numbers travel (identical in vLLM 0.32 and 0.33):
+
+1. Each worker's `get_kv_connector_stats()` returns an `OffloadStats` (or None) after every step; it rides
+   `KVConnectorOutput.kv_connector_stats` and `KVOutputAggregator` merges the workers with `aggregate`.
+2. In `Scheduler.update_from_output` the scheduler calls the scheduler-side connector's `get_kv_connector_stats()`
+   too, and merges it into the workers' stats (`workers.aggregate(scheduler)`) unless it `is_empty()`.
+3. `Scheduler.make_stats` ships `stats.to_dict()` (plain data, msgpack-encoded) in `SchedulerStats` to the frontend.
+4. There `KVConnectorLogging` rebuilds it with the connector class's `build_kv_connector_stats(data)`, aggregates
+   the steps of one log interval and logs `reduce()`; `KVConnectorProm` hands every step's dict to the object that
+   `build_prom_metrics(...)` returned (`OffloadPromMetrics.observe`), which feeds `/metrics`.
+
+Every payload is a delta since the previous one (`OffloadStatsSink.take()` swaps in a fresh object), so Prometheus
+counters add payloads and gauges take the latest value.
+
+Metrics (counters are exported with the `_total` suffix; every metric also carries vLLM's `model_name` and `engine`
+labels):
+
+| name | type | extra labels | recorded by | meaning |
+|---|---|---|---|---|
+| `vllm:offload_connector_loaded_bytes_total` | counter | | worker | bytes copied CPU -> GPU, summed over workers |
+| `vllm:offload_connector_loaded_blocks_total` | counter | | worker (primary) | KV blocks loaded (one block of one KV cache group each) |
+| `vllm:offload_connector_stored_bytes_total` | counter | | worker | bytes copied GPU -> CPU, summed over workers |
+| `vllm:offload_connector_stored_blocks_total` | counter | | worker (primary) | KV blocks stored |
+| `vllm:offload_connector_load_time_seconds` | histogram | | worker | duration of one load job on one worker |
+| `vllm:offload_connector_store_time_seconds` | histogram | | worker | duration of one store job on one worker |
+| `vllm:offload_connector_load_failures_total` | counter | | worker | load jobs that failed on a worker (request recomputed) |
+| `vllm:offload_connector_store_failures_total` | counter | | worker | store jobs that failed on a worker (blocks not cached) |
+| `vllm:offload_connector_deferrals_total` | counter | `reason` | scheduler | load decisions other than "admit the full hit now" |
+| `vllm:offload_connector_deferred_requests` | gauge | | scheduler | requests whose load is deferred right now |
+| `vllm:offload_connector_cpu_tier_used_blocks` | gauge | | scheduler | CPU-tier slots in use |
+| `vllm:offload_connector_cpu_tier_capacity_blocks` | gauge | | scheduler | CPU-tier slots in all |
+| `vllm:offload_connector_cpu_tier_usage_perc` | gauge | | scheduler | used / capacity, 0..1 (as `vllm:kv_cache_usage_perc`) |
+| `vllm:offload_connector_cpu_tier_evictions_total` | counter | | scheduler | CPU-tier entries evicted to make room |
+
+Deferral reasons (a closed set, so the `reason` label stays bounded; add a reason here before recording it):
+
+| reason | counted | meaning |
+|---|---|---|
+| `pool_full` | every step a load is held back | the load does not fit next to in-flight loads now; `(None, False)` |
+| `too_big` | every shortening | the hit could not fit even in an idle pool; a shorter hit was tried |
+| `aged_out` | once per request | deferred `max_deferral_steps`; the prefix is recomputed |
+
+Tensor/pipeline parallelism: every rank copies its own shard, so every rank records bytes and time (bytes add up to
+the real traffic), while blocks are logical and only the primary rank records them (`count_blocks=
+counts_blocks_here()`), so they are not multiplied by TP x PP. Load/store time histograms therefore count one
+observation per worker per job.
+
+This module imports only vLLM and the standard library: the frontend (API server) process imports it through the
+connector class without either side of the connector.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
+
+Direction = Literal["load", "store"]
+DEFERRAL_REASONS: tuple[str, ...] = ("pool_full", "too_big", "aged_out")
+
+# Payload keys. Plain strings, numbers and lists only: the payload is msgpack-encoded on its way to the frontend
+# and must decode there as plain data, without this module's classes or custom hooks.
+COUNTERS, GAUGES, SAMPLES = "counters", "gauges", "samples"
+
+# Counter keys (payload) -> exported in metrics_prom.
+LOADED_BYTES, LOADED_BLOCKS, LOAD_FAILURES = "loaded_bytes", "loaded_blocks", "load_failures"
+STORED_BYTES, STORED_BLOCKS, STORE_FAILURES = "stored_bytes", "stored_blocks", "store_failures"
+EVICTIONS = "cpu_tier_evictions"
+DEFERRAL_PREFIX = "deferrals:"
+# Histogram sample keys.
+LOAD_SECONDS, STORE_SECONDS = "load_seconds", "store_seconds"
+# Gauge keys.
+TIER_USED, TIER_CAPACITY, DEFERRED_REQUESTS = "cpu_tier_used_blocks", "cpu_tier_capacity_blocks", "deferred_requests"
+
+_TRANSFER_KEYS: dict[str, tuple[str, str, str, str]] = {
+    "load": (LOADED_BYTES, LOADED_BLOCKS, LOAD_FAILURES, LOAD_SECONDS),
+    "store": (STORED_BYTES, STORED_BLOCKS, STORE_FAILURES, STORE_SECONDS),
+}
+
+
+def _sig(x: float) -> float:
+    # Four significant digits: a log line, not a measurement archive.
+    return float(f"{x:.4g}")
+
+
+def _empty() -> dict[str, Any]:
+    return {COUNTERS: {}, GAUGES: {}, SAMPLES: {}}
+
+
+@dataclass
+class OffloadStats(KVConnectorStats):
+    """One interval's statistics: counters (summed), gauges (latest wins), histogram samples (concatenated).
+
+    `data` is `{"counters": {key: number}, "gauges": {key: number}, "samples": {key: [seconds, ...]}}`.
+    """
+
+    def __post_init__(self) -> None:
+        # The frontend rebuilds from a decoded dict; copy it so aggregating never mutates the caller's payload.
+        src = self.data or {}
+        self.data = {
+            COUNTERS: dict(src.get(COUNTERS) or {}),
+            GAUGES: dict(src.get(GAUGES) or {}),
+            SAMPLES: {k: list(v) for k, v in (src.get(SAMPLES) or {}).items()},
+        }
+
+    # -------------------------------------------------------------- recorders
+    def record_transfer(self, direction: Direction, blocks: int, nbytes: int, seconds: float, ok: bool = True,
+                        *, count_blocks: bool = True) -> None:
+        """One finished load or store job on this worker. A failed job counts only as a failure."""
+        nbytes_key, blocks_key, failures_key, seconds_key = _TRANSFER_KEYS[direction]
+        if not ok:
+            self._add(failures_key, 1)
+            return
+        self._add(nbytes_key, nbytes)
+        if count_blocks:
+            self._add(blocks_key, blocks)
+        self.data[SAMPLES].setdefault(seconds_key, []).append(float(seconds))
+
+    def record_deferral(self, reason: str, count: int = 1) -> None:
+        if reason not in DEFERRAL_REASONS:
+            # Fail in tests, not in a dashboard: an unlisted reason would be a label nobody documented.
+            raise ValueError(f"unknown deferral reason {reason!r}; known: {DEFERRAL_REASONS}")
+        self._add(DEFERRAL_PREFIX + reason, count)
+
+    def record_evictions(self, count: int) -> None:
+        self._add(EVICTIONS, count)
+
+    def set_gauge(self, key: str, value: float) -> None:
+        if key not in (TIER_USED, TIER_CAPACITY, DEFERRED_REQUESTS):
+            raise ValueError(f"unknown gauge {key!r}")
+        self.data[GAUGES][key] = value
+
+    def _add(self, key: str, value: float) -> None:
+        if value:
+            counters = self.data[COUNTERS]
+            counters[key] = counters.get(key, 0) + value
+
+    # ------------------------------------------------- KVConnectorStats API
+    def reset(self) -> None:
+        self.data = _empty()
+
+    def aggregate(self, other: KVConnectorStats) -> OffloadStats:
+        """Merge `other` (a later interval, another worker, or the scheduler side) into self and return self."""
+        if other.is_empty():
+            return self
+        assert isinstance(other, OffloadStats), type(other)
+        counters = self.data[COUNTERS]
+        for key, value in other.data[COUNTERS].items():
+            counters[key] = counters.get(key, 0) + value
+        self.data[GAUGES].update(other.data[GAUGES])
+        for key, values in other.data[SAMPLES].items():
+            self.data[SAMPLES].setdefault(key, []).extend(values)
+        return self
+
+    def reduce(self) -> dict[str, int | float]:
+        """The log line's summary of one interval: totals, job counts, mean times and per-worker bandwidth."""
+        out: dict[str, int | float] = {}
+        counters, gauges, samples = self.data[COUNTERS], self.data[GAUGES], self.data[SAMPLES]
+        for direction, (nbytes_key, blocks_key, failures_key, seconds_key) in _TRANSFER_KEYS.items():
+            times = samples.get(seconds_key, [])
+            if not (times or counters.get(failures_key)):
+                continue
+            out[f"{direction}_jobs"] = len(times)
+            out[blocks_key] = counters.get(blocks_key, 0)
+            out[nbytes_key] = counters.get(nbytes_key, 0)
+            out[failures_key] = counters.get(failures_key, 0)
+            if times:
+                total = sum(times)
+                out[f"{direction}_avg_ms"] = _sig(1000 * total / len(times))
+                # Bytes of all workers over the time of all workers: mean bandwidth of one worker's copies.
+                out[f"{direction}_GBps"] = _sig(counters.get(nbytes_key, 0) / total / 1e9) if total > 0 else 0.0
+        for key, value in counters.items():
+            if key.startswith(DEFERRAL_PREFIX) or key == EVICTIONS:
+                out[key.replace(":", "_")] = value
+        out.update(gauges)
+        if gauges.get(TIER_CAPACITY):
+            out["cpu_tier_usage_perc"] = _sig(gauges.get(TIER_USED, 0) / gauges[TIER_CAPACITY])
+        return out
+
+    def is_empty(self) -> bool:
+        return not (self.data[COUNTERS] or self.data[GAUGES] or self.data[SAMPLES])
+
+
+class OffloadStatsSink:
+    """Where one side records; `take()` is that side's `get_kv_connector_stats()`.
+
+    Thread-safe, because the worker may finish transfers on a completion thread while the model runner takes the
+    stats. Gauges are sent only when one changed since the last payload, so an idle engine sends nothing (and logs
+    nothing); the Prometheus gauges keep their last values meanwhile.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._stats = OffloadStats()
+        self._gauges: dict[str, float] = {}
+        self._sent_gauges: dict[str, float] = {}
+        self._evictions_seen = 0
+
+    def record_transfer(self, direction: Direction, blocks: int, nbytes: int, seconds: float, ok: bool = True,
+                        *, count_blocks: bool = True) -> None:
+        """Worker side, once per finished job. `count_blocks`: True on the primary rank only (see module doc)."""
+        with self._lock:
+            self._stats.record_transfer(direction, blocks, nbytes, seconds, ok, count_blocks=count_blocks)
+
+    def record_deferral(self, reason: str, count: int = 1) -> None:
+        """Scheduler side, at each decision of `get_num_new_matched_tokens` named by `reason`."""
+        with self._lock:
+            self._stats.record_deferral(reason, count)
+
+    def record_tier(self, used_slots: int, total_slots: int, evictions_total: int) -> None:
+        """Scheduler side, any number of times per step. `evictions_total` is the tier's cumulative count."""
+        with self._lock:
+            # A smaller total means the tier was rebuilt (cache reset): count from its new zero.
+            delta = evictions_total - self._evictions_seen if evictions_total >= self._evictions_seen \
+                else evictions_total
+            self._evictions_seen = evictions_total
+            self._stats.record_evictions(delta)
+            self._gauges[TIER_USED] = used_slots
+            self._gauges[TIER_CAPACITY] = total_slots
+
+    def record_deferred_requests(self, count: int) -> None:
+        """Scheduler side: how many requests have a deferred load right now."""
+        with self._lock:
+            self._gauges[DEFERRED_REQUESTS] = count
+
+    def take(self) -> OffloadStats | None:
+        """The stats since the last call, or None when there is nothing new (what vLLM expects)."""
+        with self._lock:
+            stats, self._stats = self._stats, OffloadStats()
+            # All gauges together when any changed: usage is used over capacity, so both must arrive as a pair.
+            if self._gauges != self._sent_gauges:
+                for key, value in self._gauges.items():
+                    stats.set_gauge(key, value)
+                self._sent_gauges = dict(self._gauges)
+        return None if stats.is_empty() else stats
+
+
+def counts_blocks_here() -> bool:
+    """Whether this worker is the one that records logical block counts: TP rank 0 of PP stage 0.
+
+    Every TP rank and PP stage moves the same logical blocks (its own shard or layers of them), so counting on all
+    of them would multiply block counts by TP x PP. True when vLLM's parallel groups are not set up (tests, tools).
+    """
+    from vllm.distributed import parallel_state as ps
+    if not ps.model_parallel_is_initialized():
+        return True
+    return ps.get_tensor_model_parallel_rank() == 0 and ps.get_pp_group().rank_in_group == 0
+
+
+# ------------------------------------------------------------------- hooks the connector class exposes
+def build_kv_connector_stats(data: dict[str, Any] | None = None) -> OffloadStats:
+    """Body of `OffloadConnector.build_kv_connector_stats(cls, data=None)` (same signature in vLLM 0.32 and 0.33)."""
+    return OffloadStats(data=data or {})
+
+
+def build_prom_metrics(vllm_config: Any, metric_types: dict[type, type], labelnames: list[str],
+                       per_engine_labelvalues: dict[int, list[object]]) -> Any:
+    """Body of `OffloadConnector.build_prom_metrics(cls, vllm_config, metric_types, labelnames,
+    per_engine_labelvalues)` (same signature in vLLM 0.32 and 0.33). Returns an `OffloadPromMetrics`."""
+    # Imported here because metrics_prom imports this module's payload keys.
+    from offload_connector.metrics_prom import OffloadPromMetrics
+    return OffloadPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)

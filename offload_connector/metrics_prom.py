@@ -1,0 +1,108 @@
+"""Prometheus side of the connector's statistics: registers the `vllm:offload_connector_*` metrics and feeds them
+from each step's `OffloadStats` payload. The metric table is in `offload_connector.metrics`.
+
+vLLM builds this object in the frontend process (`KVConnectorProm`, through the connector class's
+`build_prom_metrics`) with its own metric classes: `prometheus_client`'s, or Ray's wrappers under Ray. So metrics
+are created through `metric_types`, never by importing `prometheus_client` classes directly.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prometheus_client import Counter, Gauge, Histogram
+from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics
+
+from offload_connector import metrics as m
+
+PREFIX = "vllm:offload_connector_"
+
+# One load or store job moves a request's new blocks: from a millisecond (a few blocks) to seconds (a long prefix).
+TRANSFER_TIME_BUCKETS: tuple[float, ...] = (
+    0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0)
+
+# payload counter key -> (metric name, help)
+_COUNTERS: dict[str, tuple[str, str]] = {
+    m.LOADED_BYTES: ("loaded_bytes_total", "Bytes copied from the CPU tier to GPU KV blocks, summed over workers."),
+    m.LOADED_BLOCKS: ("loaded_blocks_total", "KV blocks (one block of one KV cache group each) loaded."),
+    m.STORED_BYTES: ("stored_bytes_total", "Bytes copied from GPU KV blocks to the CPU tier, summed over workers."),
+    m.STORED_BLOCKS: ("stored_blocks_total", "KV blocks (one block of one KV cache group each) stored."),
+    m.LOAD_FAILURES: ("load_failures_total", "Load jobs that failed on a worker; their requests recompute."),
+    m.STORE_FAILURES: ("store_failures_total", "Store jobs that failed on a worker; their blocks are not cached."),
+    m.EVICTIONS: ("cpu_tier_evictions_total", "CPU-tier entries evicted to make room for new stores."),
+}
+_DEFERRALS = ("deferrals_total", (
+    "Load decisions other than admitting the full hit now, by reason: pool_full (held back this step, does not fit "
+    "next to in-flight loads), too_big (shortened: could not fit even in an idle pool), aged_out (deferred too "
+    "long; the prefix is recomputed)."))
+_GAUGES: dict[str, tuple[str, str]] = {
+    m.TIER_USED: ("cpu_tier_used_blocks", "CPU-tier slots in use (one KV block of one group each)."),
+    m.TIER_CAPACITY: ("cpu_tier_capacity_blocks", "CPU-tier slots in all."),
+    m.DEFERRED_REQUESTS: ("deferred_requests", "Requests whose load from the CPU tier is deferred right now."),
+}
+_USAGE = ("cpu_tier_usage_perc", "CPU-tier usage, used over capacity slots; 1 means 100 percent.")
+_HISTOGRAMS: dict[str, tuple[str, str]] = {
+    m.LOAD_SECONDS: ("load_time_seconds", "Duration of one load job (CPU tier to GPU) on one worker."),
+    m.STORE_SECONDS: ("store_time_seconds", "Duration of one store job (GPU to CPU tier) on one worker."),
+}
+
+# Every metric name this module registers, for tests and for whoever checks /metrics.
+METRIC_NAMES: tuple[str, ...] = tuple(
+    PREFIX + name for name, _ in (*_COUNTERS.values(), _DEFERRALS, *_GAUGES.values(), _USAGE,
+                                  *_HISTOGRAMS.values()))
+
+
+class OffloadPromMetrics(KVConnectorPromMetrics):
+    """Registers every metric at construction, with one child per engine (and per deferral reason), so `/metrics`
+    lists them with zeros before the first transfer."""
+
+    def __init__(self, vllm_config: Any, metric_types: dict[type, type], labelnames: list[str],
+                 per_engine_labelvalues: dict[int, list[object]]) -> None:
+        super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        engines = per_engine_labelvalues.items()
+        self._counters: dict[str, dict[int, Any]] = {}
+        for key, (name, doc) in _COUNTERS.items():
+            metric = self._counter_cls(name=PREFIX + name, documentation=doc, labelnames=labelnames)
+            self._counters[key] = {idx: metric.labels(*values) for idx, values in engines}
+        deferrals = self._counter_cls(name=PREFIX + _DEFERRALS[0], documentation=_DEFERRALS[1],
+                                      labelnames=[*labelnames, "reason"])
+        for reason in m.DEFERRAL_REASONS:
+            self._counters[m.DEFERRAL_PREFIX + reason] = {
+                idx: deferrals.labels(*values, reason) for idx, values in engines}
+        self._gauges: dict[str, dict[int, Any]] = {}
+        # "mostrecent": with several API-server processes the freshest snapshot is the value; vLLM's own gauges
+        # do the same.
+        for key, (name, doc) in (*_GAUGES.items(), ("usage", _USAGE)):
+            metric = self._gauge_cls(name=PREFIX + name, documentation=doc, labelnames=labelnames,
+                                     multiprocess_mode="mostrecent")
+            self._gauges[key] = {idx: metric.labels(*values) for idx, values in engines}
+        self._histograms: dict[str, dict[int, Any]] = {}
+        for key, (name, doc) in _HISTOGRAMS.items():
+            metric = self._histogram_cls(name=PREFIX + name, documentation=doc, labelnames=labelnames,
+                                         buckets=list(TRANSFER_TIME_BUCKETS))
+            self._histograms[key] = {idx: metric.labels(*values) for idx, values in engines}
+
+    def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
+        """Record one step's payload (`OffloadStats.to_dict()`) for engine `engine_idx`."""
+        for key, value in (transfer_stats_data.get(m.COUNTERS) or {}).items():
+            child = self._counters.get(key, {}).get(engine_idx)
+            # Skip keys a newer payload may carry: a mixed-version frontend must not crash the stats loop.
+            if child is not None and value > 0:
+                child.inc(value)
+        gauges = transfer_stats_data.get(m.GAUGES) or {}
+        for key, value in gauges.items():
+            child = self._gauges.get(key, {}).get(engine_idx)
+            if child is not None:
+                child.set(value)
+        if gauges.get(m.TIER_CAPACITY):
+            self._gauges["usage"][engine_idx].set(gauges.get(m.TIER_USED, 0) / gauges[m.TIER_CAPACITY])
+        for key, values in (transfer_stats_data.get(m.SAMPLES) or {}).items():
+            child = self._histograms.get(key, {}).get(engine_idx)
+            if child is not None:
+                for seconds in values:
+                    child.observe(seconds)
+
+
+def default_metric_types() -> dict[type, type]:
+    """The `metric_types` vLLM's `KVConnectorProm` passes outside Ray."""
+    return {Gauge: Gauge, Counter: Counter, Histogram: Histogram}
