@@ -31,6 +31,7 @@ class _ReqState:
     request: Any
     full_stored: list[int]  # per group: blocks [0, n) already handed to the tier (or found there)
     window_boundary: int = 0  # last boundary whose recycling-group window was stored
+    window_next: list[int] = field(default_factory=list)  # per group: window blocks below this were handed over
     deferred_since: int | None = None
     no_load: bool = False  # gave up loading (aged deferral); recompute instead
     pending_stores: set[int] = field(default_factory=set)
@@ -116,7 +117,8 @@ class OffloadScheduler:
         self._watermark = int(getattr(kv_cache_manager, "watermark_blocks", 0) or 0)
 
     def on_new_request(self, request: Any) -> None:
-        self._requests[request.request_id] = _ReqState(request, [0] * len(self.groups))
+        self._requests[request.request_id] = _ReqState(request, [0] * len(self.groups),
+                                                       window_next=[0] * len(self.groups))
 
     # ------------------------------------------------------------------- lookup
     def _keys(self, request: Any) -> BlockKeys:
@@ -281,6 +283,7 @@ class OffloadScheduler:
         # Blocks below the hit are on the GPU once the load lands; store planning starts after them.
         state.full_stored = [hit // g.block_size if not g.recycling else 0 for g in self.groups]
         state.window_boundary = hit
+        state.window_next = [hit // g.block_size for g in self.groups]
         self.counters.loads_admitted += 1
         self.counters.loaded_tokens += num_external_tokens
 
@@ -293,8 +296,12 @@ class OffloadScheduler:
         """Hand newly computed blocks to the tier.
 
         Full-attention blocks are stored as they complete. A recycling group's blocks are stored only for the
-        window a later request can resume from: at the prompt's last boundary and later (decode), never for the
-        windows a long prefill passes through, which nobody can resume at.
+        windows a later request can resume from: the prompt's last boundary and the boundaries after it (the next
+        turn resumes at the end of the output), never the windows a long prefill passes through. Each window block
+        is handed over once per request: a decode boundary adds the blocks new since the last stored window and
+        does not re-store older window blocks the tier has evicted meanwhile. (Re-storing them made every 32-token
+        boundary copy a whole window once the tier was under pressure.) vLLM frees a window's oldest blocks as soon
+        as the window moves, so the end-of-request window cannot wait for `request_finished`.
         """
         request = state.request
         keys = self._keys(request)
@@ -325,17 +332,22 @@ class OffloadScheduler:
         prompt_boundary = request.num_prompt_tokens - request.num_prompt_tokens % self.alignment
         if boundary > state.window_boundary and boundary >= prompt_boundary:
             window: list[tuple[int, int, Hashable]] = []
+            ends: list[tuple[int, int]] = []
             for g in self.groups:
                 if not g.recycling:
                     continue
                 ids = ids_for(g)
                 rng = g.restore_range(boundary)
-                if ids is None or len(ids) < rng.stop or any(ids[i] == 0 for i in rng):
+                new = range(max(rng.start, state.window_next[g.index]), rng.stop)
+                if ids is None or len(ids) < rng.stop or any(ids[i] == 0 for i in new):
                     window = []  # part of the window already left the GPU: this boundary is not restorable
                     break
-                window.extend((g.index, ids[i], keys(g.index, i)) for i in rng)
+                window.extend((g.index, ids[i], keys(g.index, i)) for i in new)
+                ends.append((g.index, rng.stop))
             else:
                 state.window_boundary = boundary
+                for gi, stop in ends:
+                    state.window_next[gi] = stop
             for gi, bid, key in window:
                 groups_.append(gi)
                 gpu.append(bid)
