@@ -1,5 +1,13 @@
 """GPU <-> host copy kernels for paged KV blocks, with the torch reference path.
 
 Lives at the repository's top-level `kernels/` and is imported as `offload_connector.kernels` (a symlink in the
-source tree, a regular subpackage in the wheel). Never imports the scheduler side.
+source tree, a regular subpackage in the wheel). Never imports the scheduler side, and imports nothing that needs a
+GPU, CuPy or a driver: the CUDA backends load those when they are built.
 """
+from .api import DIRECTIONS, BlockCopier, Completion, Direction
+from .host_tier import HostTier, allocate_host_tier
+from .reference import ReferenceCopier
+from .select import BACKENDS, CalibrationConfig, make_copier
+
+__all__ = ["BACKENDS", "DIRECTIONS", "BlockCopier", "CalibrationConfig", "Completion", "Direction", "HostTier",
+           "ReferenceCopier", "allocate_host_tier", "make_copier"]
