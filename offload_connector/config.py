@@ -8,6 +8,8 @@ from typing import Any, Mapping
 RESERVATION_MODES = ("exact", "vllm")
 EVICTION_POLICIES = ("lru",)
 DEFERRAL_FALLBACKS = ("recompute",)
+# Worker copy backends (offload_connector.kernels): "auto" calibrates on CUDA and uses the torch reference on CPU.
+TRANSFER_BACKENDS = ("auto", "reference", "kernel", "batch", "per_page")
 
 
 class ConfigError(ValueError):
@@ -28,6 +30,11 @@ class OffloadConfig:
     deferral_fallback: str = "recompute"
     # Loads shorter than this are not worth a transfer; the tokens are recomputed.
     min_load_tokens: int = 1
+    # How the worker moves bytes; "auto" measures the candidates at start-up on a GPU.
+    transfer_backend: str = "auto"
+    # Fault injection for tests: overwrite the first block of every load after it lands, so that output
+    # comparisons can be shown to fail. Never set this in production.
+    debug_corrupt_load: bool = False
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> "OffloadConfig":
@@ -54,6 +61,10 @@ class OffloadConfig:
             values["max_deferral_steps"] = _positive_int("max_deferral_steps", extra.pop("max_deferral_steps"))
         if "min_load_tokens" in extra:
             values["min_load_tokens"] = _positive_int("min_load_tokens", extra.pop("min_load_tokens"))
+        if "transfer_backend" in extra:
+            values["transfer_backend"] = _choice("transfer_backend", extra.pop("transfer_backend"), TRANSFER_BACKENDS)
+        if "debug_corrupt_load" in extra:
+            values["debug_corrupt_load"] = _bool("debug_corrupt_load", extra.pop("debug_corrupt_load"))
         return cls(**values)
 
 
@@ -83,6 +94,12 @@ def _positive_int(key: str, value: Any, allow_suffix: bool = False) -> int:
         hint = ' (an integer, or a string such as "64g" or "512Mi")' if allow_suffix else " (an integer)"
         raise ConfigError(f"kv_connector_extra_config: '{key}' must be a positive integer{hint}; got {value!r}")
     return parsed
+
+
+def _bool(key: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise ConfigError(f"kv_connector_extra_config: '{key}' must be true or false; got {value!r}")
+    return value
 
 
 def _choice(key: str, value: Any, accepted: tuple[str, ...]) -> str:

@@ -13,9 +13,11 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
     KVConnectorRole,
+    KVConnectorTransferResults,
     SupportsHMA,
 )
 
+from offload_connector import metrics
 from offload_connector.config import OffloadConfig
 from offload_connector.metadata import OffloadMetadata
 
@@ -47,7 +49,7 @@ class OffloadConnector(KVConnectorBase_V1, SupportsHMA):
             self.scheduler_side = OffloadScheduler(self.offload_config, vllm_config, kv_cache_config)
         else:
             from offload_connector.worker.side import OffloadWorker
-            self.worker_side = OffloadWorker(vllm_config, kv_cache_config)
+            self.worker_side = OffloadWorker(self.offload_config, vllm_config, kv_cache_config)
 
     # A best-effort cache: a preempted request need not wait for its KV to be delivered anywhere.
     @property
@@ -102,6 +104,11 @@ class OffloadConnector(KVConnectorBase_V1, SupportsHMA):
         assert self.worker_side is not None
         self.worker_side.register_kv_caches(kv_caches)
 
+    def handle_preemptions(self, kv_connector_metadata: KVConnectorMetadata) -> None:
+        # Runs before the forward pass: the last moment to finish stores whose source blocks it overwrites.
+        if self.worker_side is not None and isinstance(kv_connector_metadata, OffloadMetadata):
+            self.worker_side.fence(kv_connector_metadata)
+
     def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
         assert self.worker_side is not None
         meta = self._get_connector_metadata()
@@ -121,5 +128,31 @@ class OffloadConnector(KVConnectorBase_V1, SupportsHMA):
         assert self.worker_side is not None
         return self.worker_side.get_finished(finished_req_ids)
 
+    def get_transfer_results(self, finished_req_ids: set[str]) -> KVConnectorTransferResults:
+        # Overridden (not get_finished) to report failed loads: hybrid models cannot use block-level load errors.
+        assert self.worker_side is not None
+        sending, recving, failed = self.worker_side.transfer_results()
+        return KVConnectorTransferResults(finished_sending=sending, finished_recving=recving, failed_recving=failed)
+
     def build_connector_worker_meta(self):
         return self.worker_side.worker_meta() if self.worker_side is not None else None
+
+    def shutdown(self) -> None:
+        if self.worker_side is not None:
+            self.worker_side.shutdown()
+
+    # ------------------------------------------------------------------ metrics (both roles)
+    def get_kv_connector_stats(self) -> metrics.OffloadStats | None:
+        if self.worker_side is not None:
+            return self.worker_side.take_stats()
+        assert self.scheduler_side is not None
+        return self.scheduler_side.take_stats()
+
+    @classmethod
+    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> metrics.OffloadStats:
+        return metrics.build_kv_connector_stats(data)
+
+    @classmethod
+    def build_prom_metrics(cls, vllm_config: Any, metric_types: dict[type, type], labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> Any:
+        return metrics.build_prom_metrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)

@@ -21,6 +21,9 @@ def test_defaults_and_suffixes():
     ({"cpu_bytes": 10, "eviction": "arc"}, "'eviction' must be one of ['lru']"),
     ({"cpu_bytes": 10, "max_deferral_steps": 0}, "'max_deferral_steps' must be a positive integer"),
     ({"cpu_bytes": 10, "cpu_bytes_to_use": 5}, "unknown key(s) ['cpu_bytes_to_use']"),
+    ({"cpu_bytes": 10, "transfer_backend": "dma"},
+     "'transfer_backend' must be one of ['auto', 'reference', 'kernel', 'batch', 'per_page']"),
+    ({"cpu_bytes": 10, "debug_corrupt_load": "yes"}, "'debug_corrupt_load' must be true or false"),
 ])
 def test_bad_config_names_key_and_accepted_values(extra, needle):
     with pytest.raises(ConfigError) as err:

@@ -14,6 +14,7 @@ from typing import Any, Hashable
 from offload_connector.config import OffloadConfig
 from offload_connector.groups import GroupInfo, check_against_manager, describe_groups, hit_alignment
 from offload_connector.metadata import OffloadMetadata, OffloadWorkerMetadata, TransferJob
+from offload_connector.metrics import OffloadStats, OffloadStatsSink
 from offload_connector.scheduler import ledger
 from offload_connector.scheduler.lookup import BlockKeys, longest_hit
 from offload_connector.scheduler.tier_index import TierIndex
@@ -88,6 +89,7 @@ class OffloadScheduler:
                 f"({self.slot_bytes} bytes for this model); give the CPU tier at least that much")
         self.tier = TierIndex(capacity, [g.block_bytes for g in self.groups])
         self.counters = SchedulerCounters()
+        self.stats = OffloadStatsSink()
         self._managers: list[Any] | None = None
         self._pool: Any = None
         self._kv_manager: Any = None
@@ -173,14 +175,17 @@ class OffloadScheduler:
                     state.deferred_since = self._step
                 if self._step - state.deferred_since >= self.config.max_deferral_steps:
                     self.counters.deferral_timeouts += 1
+                    self.stats.record_deferral("aged_out")
                     logger.warning("offload_connector: load of %d tokens for %s deferred %d steps; recomputing",
                                    hit - local, request.request_id, self._step - state.deferred_since)
                     state.no_load = True
                     return 0, False
                 self.counters.deferrals += 1
+                self.stats.record_deferral("pool_full")
                 return None, False
             # TOO_BIG: this hit cannot fit even in an idle pool; a shorter one might.
             self.counters.too_big += 1
+            self.stats.record_deferral("too_big")
             shortened = True
             hit = self._hit(request, hit - self.alignment)
         state.no_load = True
@@ -472,6 +477,14 @@ class OffloadScheduler:
         state = self._requests.get(rid)
         if state is not None:
             state.pending_stores.discard(job_id)
+
+    def take_stats(self) -> OffloadStats | None:
+        """This step's scheduler-side metrics (deferrals, tier usage, evictions), for `get_kv_connector_stats`."""
+        # Called every step: only O(1) tier facts here (TierIndex.stats() walks every entry).
+        self.stats.record_tier(len(self.tier), self.tier.capacity_slots, self.tier.evictions)
+        self.stats.record_deferred_requests(
+            sum(1 for s in self._requests.values() if s.deferred_since is not None))
+        return self.stats.take()
 
     def has_pending_work(self) -> bool:
         return bool(self._loads or self._store_jobs or self._pending_loads or self._pending_stores

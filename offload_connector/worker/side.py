@@ -1,44 +1,150 @@
-"""Worker side of the connector.
+"""Worker side of the connector: the host tier, the copies, and what each step reports back.
 
-This release moves no bytes yet: the transfer engine (pinned host tier, CUDA copy kernels, torch reference path)
-is the next piece of work. Until it lands the worker refuses any transfer loudly instead of reporting loads it did
-not perform, which would silently corrupt outputs. The completion protocol (which request ids to report, when) is
-already here because the scheduler side depends on it.
+Per step vLLM calls (see `kv_connector_model_runner_mixin`): `handle_preemptions(meta)` before the forward pass,
+where stores that the scheduler fenced (their source blocks are reused by this forward) are waited for;
+`start_load_kv` after the forward launch, where this step's stores and loads are issued; then `get_finished` /
+`get_transfer_results`, the stats and the worker metadata (store jobs that finished). A request that finished with
+stores still in flight is reported in `finished_sending` once none of its stores is pending, which is when vLLM
+frees its blocks.
 """
 
 from __future__ import annotations
 
+import logging
 from typing import Any
 
-from offload_connector.metadata import OffloadMetadata, OffloadWorkerMetadata
+import torch
 
+from offload_connector.config import OffloadConfig
+from offload_connector.metadata import OffloadMetadata, OffloadWorkerMetadata, TransferJob
+from offload_connector.metrics import OffloadStats, OffloadStatsSink, counts_blocks_here
+from offload_connector.worker.layout import KVLayout, build_layout, expected_slot_bytes, host_views
+from offload_connector.worker.transfers import TransferEngine
 
-class TransfersNotAvailable(RuntimeError):
-    pass
+logger = logging.getLogger("offload_connector")
 
 
 class OffloadWorker:
-    def __init__(self, vllm_config: Any, kv_cache_config: Any) -> None:
+    def __init__(self, config: OffloadConfig, vllm_config: Any, kv_cache_config: Any) -> None:
+        self.config = config
         self.kv_cache_config = kv_cache_config
-        self.kv_caches: dict[str, Any] = {}
+        self.stats = OffloadStatsSink()
+        self.layout: KVLayout | None = None
+        self.engine: TransferEngine | None = None
+        self.host_tier: Any = None
+        self.backend: str | None = None
+        self._device_views: list[torch.Tensor] = []
+        self._count_blocks = True
+        self._fenced_step = -1
+        self._store_owner: dict[int, str] = {}  # pending store job -> request
+        self._stores_of: dict[str, set[int]] = {}  # request -> its pending store jobs
+        self._delayed: set[str] = set()  # finished requests whose blocks wait for their stores
         self._finished_recving: set[str] = set()
+        self._failed_recving: set[str] = set()
         self._stores_done: list[int] = []
+        self._stores_failed: list[int] = []
+        if config.debug_corrupt_load:
+            logger.warning("offload_connector: debug_corrupt_load is on: every loaded prefix is deliberately "
+                           "corrupted (fault injection for tests)")
 
+    # ------------------------------------------------------------------ set-up
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
-        self.kv_caches = dict(kv_caches)
+        from offload_connector.kernels import allocate_host_tier, make_copier
+
+        layout, views = build_layout(kv_caches, self.kv_cache_config)
+        # Same slot count as the scheduler side's tier index (it sizes slots from the specs).
+        num_slots = self.config.cpu_bytes // expected_slot_bytes(self.kv_cache_config)
+        if num_slots < 1:
+            raise ValueError(f"kv_connector_extra_config: 'cpu_bytes' ({self.config.cpu_bytes}) is smaller than one "
+                             f"host block ({expected_slot_bytes(self.kv_cache_config)} bytes)")
+        device = views[0].device
+        self.host_tier = allocate_host_tier(num_slots, layout.slot_bytes, pin=device.type == "cuda")
+        hosts = host_views(self.host_tier.tensor, layout)
+        copier = make_copier(self.config.transfer_backend, views, hosts, layout.segments, device=device)
+        self.backend = getattr(copier, "name", type(copier).__name__)
+        self.layout, self._device_views = layout, views
+        self.engine = TransferEngine(copier, len(layout.group_bytes), layout.group_bytes, device,
+                                     on_load_landed=self._corrupt if self.config.debug_corrupt_load else None)
+        self._count_blocks = counts_blocks_here()
+        logger.info("offload_connector: %d KV pages over %d groups, host tier %d slots x %d bytes (%s), backend %s",
+                    len(layout.pages), len(layout.segments), num_slots, layout.slot_bytes,
+                    "pinned" if getattr(self.host_tier, "pinned", False) else "pageable", self.backend)
+
+    # -------------------------------------------------------------- per step
+    def fence(self, meta: OffloadMetadata) -> None:
+        """Before the forward pass: finish reading blocks this step's forward overwrites."""
+        if self.engine is not None and meta.store_fences and self._fenced_step != meta.step:
+            self.engine.wait_for_jobs(meta.store_fences)
+        self._fenced_step = meta.step
 
     def start(self, meta: OffloadMetadata) -> None:
-        if meta.loads or meta.stores:
-            raise TransfersNotAvailable(
-                "offload_connector: this build has no worker-side transfer engine yet, so it cannot move KV blocks "
-                "between GPU and host memory. Use it for scheduler-side evaluation only.")
+        if self.engine is None:
+            if meta.loads or meta.stores:
+                raise RuntimeError("offload_connector: transfers requested before register_kv_caches")
+            self._delayed.update(meta.delayed_free)
+            return
+        self.fence(meta)  # no-op when handle_preemptions already ran for this step
+        for job in meta.stores:
+            self._store_owner[job.job_id] = job.request_id
+            self._stores_of.setdefault(job.request_id, set()).add(job.job_id)
+            self.engine.submit_store(job)
+        for job in meta.loads:
+            self.engine.submit_load(job)
+        self._delayed.update(meta.delayed_free)
+
+    def _collect(self) -> None:
+        if self.engine is None:
+            return
+        for result in self.engine.poll():
+            job = result.job
+            self.stats.record_transfer(result.kind, job.num_blocks, result.nbytes, result.seconds, result.ok,
+                                       count_blocks=self._count_blocks)
+            if result.kind == "load":
+                self._finished_recving.add(job.request_id)
+                if not result.ok:
+                    self._failed_recving.add(job.request_id)
+                continue
+            (self._stores_done if result.ok else self._stores_failed).append(job.job_id)
+            rid = self._store_owner.pop(job.job_id, job.request_id)
+            pending = self._stores_of.get(rid)
+            if pending is not None:
+                pending.discard(job.job_id)
+                if not pending:
+                    del self._stores_of[rid]
+
+    def transfer_results(self) -> tuple[set[str], set[str], set[str]]:
+        """(finished_sending, finished_recving, failed_recving) since the last call."""
+        self._collect()
+        sending = {rid for rid in self._delayed if rid not in self._stores_of}
+        self._delayed -= sending
+        recving, self._finished_recving = self._finished_recving, set()
+        failed, self._failed_recving = self._failed_recving, set()
+        return sending, recving, failed
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
-        recving, self._finished_recving = self._finished_recving, set()
-        return None, recving or None
+        sending, recving, _ = self.transfer_results()
+        return sending or None, recving or None
 
     def worker_meta(self) -> OffloadWorkerMetadata | None:
-        if not self._stores_done:
+        if not (self._stores_done or self._stores_failed):
             return None
-        done, self._stores_done = self._stores_done, []
-        return OffloadWorkerMetadata(stores_done=done)
+        meta = OffloadWorkerMetadata(stores_done=self._stores_done, stores_failed=self._stores_failed)
+        self._stores_done, self._stores_failed = [], []
+        return meta
+
+    def take_stats(self) -> OffloadStats | None:
+        return self.stats.take()
+
+    def shutdown(self) -> None:
+        if self.engine is not None:
+            self.engine.drain()
+        close = getattr(self.host_tier, "close", None)
+        if close is not None:
+            close()
+
+    # ----------------------------------------------------------- fault injection
+    def _corrupt(self, job: TransferJob) -> None:
+        assert self.layout is not None
+        group, block = job.groups[0], job.gpu_blocks[0]
+        for page in self.layout.segments[group]:
+            self._device_views[page][block].bitwise_not_()

