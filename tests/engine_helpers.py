@@ -300,13 +300,14 @@ def _child(script_path: str, out_path: str) -> None:
                 idle = idle + 1 if step_tokens and step_tokens[-1] == 0 else 0
                 if idle >= stall_steps:
                     stalled = True
-                    stall_info = _stall_state(sched)
+                    stall_info = _stall_state(sched, sconn)
                     break
             for rid in names:
                 if rid in outputs:
                     outputs[rid]["external_tokens"] = _external_for(external, rid)
+            granted = {rid: _external_for(external, rid) for rid in names}
             res = {"op": op, "outputs": outputs, "steps": steps, "stalled": stalled, "stall": stall_info,
-                   "unfinished": sorted(set(names) - set(outputs)), "step_tokens": step_tokens[first:],
+                   "unfinished": sorted(set(names) - set(outputs)), "external_tokens": granted, "step_tokens": step_tokens[first:],
                    "metrics": _delta(before, metrics())}
             if stalled or res["unfinished"]:
                 for rid in res["unfinished"]:
@@ -351,19 +352,20 @@ def _delta(before: dict[str, float], after: dict[str, float]) -> dict[str, float
     return {k: after[k] - before.get(k, 0.0) for k in after}
 
 
-def _stall_state(sched: Any) -> dict[str, Any]:
+def _stall_state(sched: Any, sconn: Any = None) -> dict[str, Any]:
+    """Queues, per-request status and pool state at the moment a stall is declared (plus our ledger, if any)."""
     pool = sched.kv_cache_manager.block_pool
 
-    def ids(q: Any) -> list[str]:
-        try:
-            return [r.request_id for r in q]
-        except TypeError:
-            return []
-    waiting = ids(sched.waiting)
-    skipped = ids(getattr(sched, "skipped_waiting", []))
-    return {"running": ids(sched.running), "waiting": waiting, "skipped_waiting": skipped,
-            "free_blocks": pool.get_num_free_blocks(),
-            "statuses": {r.request_id: str(r.status) for r in list(sched.requests.values())}}
+    def ids(name: str) -> list[str]:
+        q = getattr(sched, name, None)
+        return [r.request_id for r in q] if q is not None else []
+    num_running, num_waiting = sched.get_request_counts()
+    return {"running": ids("running"), "waiting": ids("waiting"), "kv_holding_waiting": ids("kv_holding_waiting"),
+            "num_running": num_running, "num_waiting": num_waiting, "free_blocks": pool.get_num_free_blocks(),
+            "requests": {r.request_id: {"status": str(r.status), "num_computed_tokens": r.num_computed_tokens,
+                                        "num_prompt_tokens": r.num_prompt_tokens}
+                         for r in list(sched.requests.values())},
+            "ledger": _snapshot(sconn)}
 
 
 def _snapshot(sconn: Any) -> Any:
@@ -387,6 +389,7 @@ class _Injector:
         self.armed = 0
         self.loads: dict[str, list[Any]] = {}
         self.corrupted: list[dict[str, Any]] = []
+        self.seen: set[str] = set()
         self.full_groups = {i for i, g in enumerate(kv_cache_config.kv_cache_groups)
                             if type(g.kv_cache_spec).__name__ in ("FullAttentionSpec", "MLAAttentionSpec")}
 
@@ -396,7 +399,8 @@ class _Injector:
             return
         conn = get_kv_transfer_group()
         self.conn = conn
-        orig_start, orig_finished = conn.start_load_kv, conn.get_finished
+        orig_start = conn.start_load_kv
+        orig_finished, orig_results = conn.get_finished, conn.get_transfer_results
 
         def start_load_kv(forward_context: Any, **kw: Any) -> Any:
             meta = conn._get_connector_metadata()
@@ -404,14 +408,28 @@ class _Injector:
                 self.loads.setdefault(job.request_id, []).append(job)
             return orig_start(forward_context, **kw)
 
+        # vLLM's model runner asks `get_transfer_results` (whose base implementation calls `get_finished`); a
+        # connector may override either, so wrap both and handle each finished load once.
         def get_finished(finished_req_ids: set[str]) -> Any:
             sending, recving = orig_finished(finished_req_ids)
-            for rid in sorted(recving or ()):
-                if self.armed > 0 and self._corrupt(rid):
-                    self.armed -= 1
+            self._on_finished(recving or ())
             return sending, recving
+
+        def get_transfer_results(finished_req_ids: set[str]) -> Any:
+            res = orig_results(finished_req_ids)
+            self._on_finished(set(res.finished_recving or ()) - set(getattr(res, "failed_recving", ()) or ()))
+            return res
         conn.start_load_kv = start_load_kv
         conn.get_finished = get_finished
+        conn.get_transfer_results = get_transfer_results
+
+    def _on_finished(self, rids: Any) -> None:
+        for rid in sorted(rids):
+            if rid in self.seen:
+                continue
+            self.seen.add(rid)
+            if self.armed > 0 and self._corrupt(rid):
+                self.armed -= 1
 
     def _kv_tensor(self, layer: str) -> Any:
         from vllm.forward_context import get_forward_context  # noqa: F401 - availability check only

@@ -157,6 +157,21 @@ def test_corrupting_one_loaded_block_changes_the_output(baseline: dict, offloade
     assert corrupt["token_ids"] != _out(baseline, "reload")["token_ids"]
 
 
+def test_debug_corrupt_load_key_changes_the_output(model_dir: str, baseline: dict) -> None:
+    """The connector's own fault injection (`debug_corrupt_load`: the worker corrupts what it loads)."""
+    from offload_connector.config import OffloadConfig
+    if "debug_corrupt_load" not in OffloadConfig.__dataclass_fields__:
+        pytest.skip("this build of the connector has no debug_corrupt_load key")
+    script = _reload_script(model_dir, connector_config(cpu_bytes="256Mi", debug_corrupt_load=True))
+    script["actions"] = script["actions"][:4]  # up to and including the reload
+    res = run_engine(script, timeout=420)
+    got = _out(res, "reload")
+    assert got["external_tokens"] == PREFIX, got
+    assert got["token_ids"] != _out(baseline, "reload")["token_ids"]
+    # Nothing loaded before the reload, so the earlier outputs still match.
+    assert _out(res, "warm")["token_ids"] == _out(baseline, "warm")["token_ids"]
+
+
 # --------------------------------------------------------------------------------------------------- the stall
 def _stall_script(model_dir: str, reservation: str) -> dict:
     prompts = [_prompt(100 + s, STALL_PROMPT) for s in range(2)]
@@ -186,10 +201,15 @@ def test_stall_with_vllm_reservation(model_dir: str) -> None:
     ret = _returning(res)
     assert ret["stalled"], f"expected a stall; returning requests: {ret}"
     assert sorted(ret["unfinished"]) == ["return-0", "return-1"]
+    # Both loads were admitted together and landed (the connector granted 512 tokens each, 18 blocks each)...
+    assert ret["external_tokens"] == {"return-0": STALL_PREFIX, "return-1": STALL_PREFIX}, ret["external_tokens"]
+    assert ret["metrics"].get("vllm:offload_connector_loaded_blocks") == 2 * 18, ret["metrics"]
     stall = ret["stall"]
-    assert stall["running"] == [], stall
-    assert len(stall["waiting"]) + len(stall.get("skipped_waiting", [])) >= 2 or len(stall["statuses"]) >= 2, stall
-    # The last STALL_STEPS steps scheduled nothing.
+    # ...and then nothing runs: 0 running, 2 waiting (both holding their loaded blocks), 7 blocks free, each
+    # request stuck at 512 computed tokens of 640; the last STALL_STEPS steps scheduled no token at all.
+    assert (stall["num_running"], stall["num_waiting"]) == (0, 2), stall
+    assert stall["free_blocks"] == STALL_BLOCKS - 1 - 2 * 18, stall
+    assert sorted(r["num_computed_tokens"] for r in stall["requests"].values()) == [STALL_PREFIX] * 2, stall
     assert ret["step_tokens"][-STALL_STEPS:] == [0] * STALL_STEPS
 
 
@@ -201,7 +221,10 @@ def test_no_stall_with_exact_reservation(model_dir: str) -> None:
     for s in range(2):
         o = ret["outputs"][f"return-{s}"]
         assert len(o["token_ids"]) == 4
-        assert o["external_tokens"] == STALL_PREFIX, o  # both loaded, the second after the first freed its blocks
+        # Both loaded, the second deferred until the first freed its blocks.
+        assert o["external_tokens"] == STALL_PREFIX, o
+    assert ret["metrics"].get("vllm:offload_connector_deferrals", 0) > 0, ret["metrics"]
+    assert ret["metrics"].get("vllm:offload_connector_loaded_blocks") == 2 * 18, ret["metrics"]
 
 
 # ----------------------------------------------------------------------------------------------- vllm serve
@@ -256,9 +279,11 @@ def test_serve_multi_turn_chat(served: dict) -> None:
 
 def test_serve_metrics_show_offload_traffic(served: dict) -> None:
     m = served["metrics"]
-    assert "vllm:external_prefix_cache_hits" in m, sorted(k for k in m if "prefix" in k)
+    # Prometheus exposes vLLM's counters with the `_total` suffix (llm.get_metrics() names them without it).
+    ext = "vllm:external_prefix_cache_hits_total"
+    assert ext in m, sorted(k for k in m if "prefix" in k and "{" not in k)
     # Turns 2 and 3 resend the history after a GPU prefix-cache reset: it comes back from the CPU tier.
-    assert m["vllm:external_prefix_cache_hits"] > 0, {k: v for k, v in m.items() if "prefix_cache" in k}
+    assert m[ext] > 0, {k: v for k, v in m.items() if "prefix_cache" in k and "{" not in k}
     ours = {k: v for k, v in m.items() if "{" not in k and k.startswith("vllm:offload_connector_")}
     # Series defined in offload_connector/metrics.py, fed through vLLM's KV-connector stats path.
     for name in ("loaded_blocks", "loaded_bytes", "stored_blocks", "stored_bytes"):
