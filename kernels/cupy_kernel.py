@@ -8,6 +8,7 @@ on the copy's stream, and launches one persistent grid over every (group, page, 
 from __future__ import annotations
 
 import functools
+import warnings
 from pathlib import Path
 from typing import Any, Sequence
 
@@ -36,7 +37,8 @@ def _module(device_index: int) -> Any:
     """The compiled module for one device (NVRTC via CuPy, cached on disk by CuPy as well)."""
     cupy = _cupy()
     with cupy.cuda.Device(device_index):
-        module = cupy.RawModule(code=SOURCE.read_text(), options=("-std=c++17",))
+        # NVRTC's default dialect (C++17) is what the source is written for; CuPy adds -arch for the device.
+        module = cupy.RawModule(code=SOURCE.read_text())
         module.compile()
     return module
 
@@ -53,6 +55,15 @@ def _host_device_base(t: int, h: torch.Tensor) -> int:
         raise RuntimeError(f"host_pages[{t}] spans two host registrations; the kernel backend needs each host tensor "
                            "inside one registration chunk")
     return d_start
+
+
+def _launch_stream(cupy: Any, handle: int, device_index: int) -> Any:
+    """CuPy view of torch's stream, so the launch is ordered with the rest of the caller's work."""
+    with warnings.catch_warnings():
+        # Deprecated in CuPy 14 in favour of Stream.from_external(obj with __cuda_stream__), which not every torch
+        # release's Stream implements; the raw-handle form works in both.
+        warnings.simplefilter("ignore", DeprecationWarning)
+        return cupy.cuda.ExternalStream(handle, device_index)
 
 
 class KernelCopier(BlockCopier):
@@ -109,8 +120,8 @@ class KernelCopier(BlockCopier):
                         np.uint64(buf.data_ptr()), np.int32(plan.num_segs), np.int64(plan.num_ids),
                         np.int64(plan.total_items), np.int64(self.chunk_bytes))
                 cupy = self._cupy
-                with cupy.cuda.Device(self._device_index), cupy.cuda.ExternalStream(stream.cuda_stream,
-                                                                                    self._device_index):
+                with cupy.cuda.Device(self._device_index), _launch_stream(cupy, stream.cuda_stream,
+                                                                          self._device_index):
                     self._fn((grid,), (workplan.THREADS,), args)
             event = torch.cuda.Event()
             event.record(stream)
