@@ -25,6 +25,7 @@ BACKENDS: tuple[str, ...] = ("auto", "reference", "kernel", "batch", "per_page")
 CUDA_BACKENDS: tuple[str, ...] = ("kernel", "batch", "per_page")
 ENV_FORCE = "OFFLOAD_CONNECTOR_COPY_BACKEND"
 TIE_MARGIN = 0.05
+FALLBACK_ORDER: tuple[str, ...] = ("batch", "per_page", "reference")
 
 
 @dataclass(frozen=True)
@@ -120,11 +121,21 @@ def make_copier(backend: str, device_pages: Sequence[torch.Tensor], host_pages: 
     else:
         choice = calibrate(device_pages, segments, device, calibration)
     built: dict[str, BlockCopier] = {}
+    per_direction: dict[str, BlockCopier] = {}
     for d in DIRECTIONS:
-        name = choice[d]
-        if name not in built:
-            built[name] = _build(name, device_pages, host_pages, segments, device)
-    return DirectionalCopier({d: built[choice[d]] for d in DIRECTIONS})
+        # The calibrated choice can still fail on the real pages (e.g. a host tier that could not be pinned rules
+        # out the kernel): fall through DMA batch, per-page DMA, reference, with one warning each.
+        for name in dict.fromkeys((choice[d],) + FALLBACK_ORDER):
+            if name not in built:
+                try:
+                    built[name] = _build(name, device_pages, host_pages, segments, device)
+                except Exception as exc:  # noqa: BLE001 - "auto" must come up with a working copier
+                    logger.warning("offload_connector: copy backend %r unavailable for %s (%s); trying the next",
+                                   name, d, exc)
+                    continue
+            per_direction[d] = built[name]
+            break
+    return DirectionalCopier(per_direction)
 
 
 def _scratch_layout(device_pages: Sequence[torch.Tensor], segments: Sequence[Sequence[int]],
@@ -138,7 +149,8 @@ def _scratch_layout(device_pages: Sequence[torch.Tensor], segments: Sequence[Seq
 
 
 def calibrate(device_pages: Sequence[torch.Tensor], segments: Sequence[Sequence[int]], device: torch.device,
-              cfg: CalibrationConfig = CalibrationConfig()) -> dict[str, str]:
+              cfg: CalibrationConfig = CalibrationConfig(),
+              backends: Sequence[str] = CUDA_BACKENDS) -> dict[str, str]:
     """Time every CUDA backend on scratch pages shaped like the layout; returns {direction: fastest backend}.
 
     A backend that fails to build or to copy correctly is dropped with one warning; with none left, "reference".
@@ -157,9 +169,9 @@ def calibrate(device_pages: Sequence[torch.Tensor], segments: Sequence[Sequence[
     dst = rng.permutation(2 * blocks)[:blocks].astype(np.int64)
     ids = [(src, dst)]
     times: dict[str, dict[str, float]] = {d: {} for d in DIRECTIONS}
-    stream = torch.cuda.Stream(device)
+    stream = torch.cuda.Stream(device) if device.type == "cuda" else None
     try:
-        for name in CUDA_BACKENDS:
+        for name in backends:
             try:
                 copier = _build(name, dev, host, segs, device)
             except Exception as exc:  # noqa: BLE001 - one warning, then the backend is not a candidate
@@ -173,7 +185,8 @@ def calibrate(device_pages: Sequence[torch.Tensor], segments: Sequence[Sequence[
                     t0 = time.perf_counter()
                     for _ in range(cfg.repeats):
                         copier.copy(d, ids, stream)
-                    stream.synchronize()
+                    if stream is not None:
+                        stream.synchronize()
                     times[d][name] = (time.perf_counter() - t0) / cfg.repeats
             except Exception as exc:  # noqa: BLE001
                 logger.warning("offload_connector: copy backend %r failed during calibration (%s)", name, exc)
