@@ -27,8 +27,8 @@ def tb():
 
 
 def test_transfer_bench_cpu_smoke_writes_verified_results(tb, tmp_path):
-    args = ["--out", str(tmp_path), "--cpu-smoke", "--pages", "4096,12288", "--blocks", "3,40,5000",
-            "--pool-gib", str(2 / 1024), "--peak-mib", "1"]
+    args = ["--out", str(tmp_path), "--cpu-smoke", "--pages", "4096,12288", "--blocks", "3,40,9000",
+            "--pool-gib", str(32 / 1024), "--peak-mib", "1"]
     assert tb.main(args) == 0
     res = json.loads((tmp_path / "results.json").read_text())
     md = (tmp_path / "results.md").read_text()
@@ -37,8 +37,11 @@ def test_transfer_bench_cpu_smoke_writes_verified_results(tb, tmp_path):
         (p, n, d) for p in (4096, 12288) for n in (3, 40) for d in ("h2d", "d2h")}
     assert all(r["verified"] and r["method"] == "reference" and r["gbps"] > 0 for r in res["matrix"])
     assert set(res["peak"]) == {"h2d", "d2h"}
-    assert any("5000 blocks: exceeds" in s for s in res["skipped"])
+    assert any("9000 blocks: exceeds" in s for s in res["skipped"])
     assert "| h2d | 4 KiB | 3 | reference |" in md
+    # The Gemma-shaped stage: 60 tensors in two groups, both directions, block-first host slots (2 rows here).
+    assert [(r["direction"], r["pages"], r["verified"]) for r in res["layout"]] == [("h2d", 50 + 20, True),
+                                                                                  ("d2h", 50 + 20, True)]
 
 
 def test_transfer_bench_verification_catches_a_wrong_copy(tb):
