@@ -16,7 +16,9 @@ import torch
 logger = logging.getLogger("offload_connector.kernels")
 
 REGISTER_CHUNK_BYTES = 64 << 30
-_CUDA_HOST_REGISTER_DEFAULT = 0  # under UVA, default registrations are mapped and portable
+# Portable (every context) | Mapped (device-addressable). UVA implies both for most allocations, but the kernel
+# backend dereferences host pages from the GPU, so ask for the mapping explicitly rather than rely on the default.
+_CUDA_HOST_REGISTER_FLAGS = 0x01 | 0x02
 
 
 @dataclass
@@ -56,7 +58,7 @@ def _register(ptr: int, nbytes: int, chunk_bytes: int) -> tuple[list[tuple[int, 
         off = 0
         while off < nbytes:
             n = min(chunk_bytes, nbytes - off)
-            err = cudart.cudaHostRegister(ptr + off, n, _CUDA_HOST_REGISTER_DEFAULT)
+            err = cudart.cudaHostRegister(ptr + off, n, _CUDA_HOST_REGISTER_FLAGS)
             code = getattr(err, "value", err)
             if code != 0:
                 raise RuntimeError(f"cudaHostRegister({n} bytes at offset {off}) returned error {err}")

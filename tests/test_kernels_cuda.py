@@ -119,21 +119,29 @@ def test_cu_sources_exist():
     assert CU_FILES, "no .cu sources under kernels/"
 
 
+# The options CuPy's RawModule adds on its own (cupy/cuda/compiler.py), so the check matches the real loader.
+CUPY_FLAGS = ["-ftz=true", "--device-as-default-execution-space"]
+
+
 @pytest.mark.parametrize("cu", CU_FILES, ids=lambda p: p.name)
 @pytest.mark.parametrize("arch", ["compute_80", "sm_90", "sm_100"])
-def test_nvrtc_compiles(cu, arch):
+@pytest.mark.parametrize("flags", [[], CUPY_FLAGS], ids=["plain", "cupy-flags"])
+def test_nvrtc_compiles(cu, arch, flags):
     cupy = pytest.importorskip("cupy", reason="CuPy is installed only in the CUDA (vllm033) environment")
     nvrtc = cupy.cuda.nvrtc
     prog = nvrtc.createProgram(cu.read_text(), cu.name, [], [])
     try:
         try:
-            nvrtc.compileProgram(prog, [f"-arch={arch}"])  # default dialect, as the loader
+            nvrtc.compileProgram(prog, [f"-arch={arch}", *flags])  # default dialect, as the loader
         except Exception as exc:  # noqa: BLE001 - show the compiler log, not just the error code
             pytest.fail(f"NVRTC failed for {cu.name} ({arch}): {exc}\n{nvrtc.getProgramLog(prog)}")
         ptx = nvrtc.getPTX(prog)
         for entry in ("kv_gather_scatter_v16", "kv_gather_scatter_v8", "kv_gather_scatter_v4",
                       "kv_gather_scatter_v1"):
             assert entry.encode() in (ptx if isinstance(ptx, bytes) else ptx.encode())
+        text = ptx.decode() if isinstance(ptx, bytes) else ptx
+        # The fast path really is 16-byte streaming accesses (what the design relies on for PCIe efficiency).
+        assert "ld.global.cs.v4.u32" in text and "st.global.cs.v4.u32" in text
     finally:
         nvrtc.destroyProgram(prog)
 
