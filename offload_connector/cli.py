@@ -1,9 +1,12 @@
 """`offload-connector` command line.
 
     offload-connector stall-demo [--model gemma-4-31b|deepseek-v4-flash|all] [--json PATH]
+    offload-connector replay [--model M] [--trace T] [--connectors C,...] [--json PATH] [--plot PATH] ...
 
-Runs the seed stall scenario through vLLM's real scheduler on CPU, once with vLLM's own reservation and once with
-the connector's exact ledger, and prints what happened side by side.
+`stall-demo` runs the seed stall scenario through vLLM's real scheduler on CPU, once with vLLM's own reservation and
+once with the connector's exact ledger, and prints what happened side by side. `replay` replays a workload (built-in
+or any Mooncake-format trace) through vLLM's real scheduler for several connectors side by side, in simulated time
+(see offload_connector/replay/).
 """
 
 from __future__ import annotations
@@ -65,9 +68,16 @@ def main(argv: list[str] | None = None) -> int:
     demo = sub.add_parser("stall-demo", help="the seed admission stall: vLLM's reservation vs the exact ledger")
     demo.add_argument("--model", choices=["gemma-4-31b", "deepseek-v4-flash", "all"], default="all")
     demo.add_argument("--json", help="write the results here")
+    from offload_connector.replay.command import add_parser as add_replay_parser
+
+    add_replay_parser(sub)
     args = ap.parse_args(argv)
     if args.cmd == "stall-demo":
         return _stall_demo(args)
+    if args.cmd == "replay":
+        from offload_connector.replay.command import run as run_replay
+
+        return run_replay(args)
     return 2
 
 

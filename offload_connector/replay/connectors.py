@@ -1,0 +1,221 @@
+"""The connectors a replay compares, each on its own real vLLM `Scheduler` over the same KV layout.
+
+- `offload`: ours, `reservation: "exact"`; worker simulated by `TimedTagCopyEngine` (checks loaded contents).
+- `offload-vllm-reservation`: ours with `reservation: "vllm"` (trusts vLLM's own async-load reservation).
+- `vllm-offloading`: vLLM's in-tree `OffloadingConnector`, its real scheduler and worker classes; only the copy
+  engine under the worker is simulated (`TimedFakeOffloadingWorker`).
+- `none`: no connector; every prefix outside the GPU prefix cache is recomputed.
+
+Instrumentation is attached by wrapping bound methods on the instances (the scheduler's `schedule` and
+`update_from_output`, the connector's `get_num_new_matched_tokens` and `update_state_after_alloc`): the drivers and
+the connectors run unmodified.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from offload_connector.replay import CONNECTORS
+from offload_connector.replay.engines import TimedFakeOffloadingWorker, TimedTagCopyEngine, TransferTally
+from offload_connector.replay.metrics import Recorder
+from offload_connector.replay.timemodel import SimClock
+from offload_connector.sim.driver import SchedulerDriver
+from offload_connector.sim.layouts import build_scheduler, build_sim_model, build_vllm_config
+from offload_connector.sim.scenarios import connector_config
+
+__all__ = ["CONNECTORS", "EngineSettings", "ReplayEngine", "StepObs"]
+
+
+@dataclass(frozen=True)
+class EngineSettings:
+    model: str
+    num_gpu_blocks: int
+    cpu_bytes: int
+    max_num_batched_tokens: int
+    max_model_len: int
+    max_num_seqs: int
+    check_loads: bool = True
+
+
+@dataclass(frozen=True)
+class StepObs:
+    scheduled_tokens: int
+    running: int
+    waiting: int
+    free_blocks: int
+    transfers_in_flight: bool
+
+    @property
+    def idle_while_waiting(self) -> bool:
+        return self.scheduled_tokens == 0 and self.waiting > 0 and not self.transfers_in_flight
+
+
+class ReplayEngine:
+    """One connector's scheduler + simulated worker, stepping in simulated time."""
+
+    def __init__(self, kind: str, settings: EngineSettings, clock: SimClock) -> None:
+        if kind not in CONNECTORS:
+            raise ValueError(f"unknown connector {kind!r}; choose from {', '.join(CONNECTORS)}")
+        self.kind = kind
+        self.clock = clock
+        kt = None
+        if kind in ("offload", "offload-vllm-reservation"):
+            kt = connector_config("exact" if kind == "offload" else "vllm", settings.cpu_bytes)
+        elif kind == "vllm-offloading":
+            from offload_connector.sim.vllm_offloading import offloading_config
+            kt = offloading_config(settings.cpu_bytes)
+        vc = build_vllm_config(settings.model, max_model_len=settings.max_model_len,
+                               max_num_batched_tokens=settings.max_num_batched_tokens,
+                               max_num_seqs=settings.max_num_seqs, num_gpu_blocks=settings.num_gpu_blocks,
+                               kv_transfer_config=kt)
+        self.vllm_config = vc
+        self.sim = build_sim_model(settings.model, vllm_config=vc, num_blocks=settings.num_gpu_blocks)
+        self.sched = build_scheduler(self.sim, vc)
+        groups = self.sim.kv_cache_config.kv_cache_groups
+        self.group_names = [f"g{i}:{type(g.kv_cache_spec).__name__}/{g.kv_cache_spec.block_size}"
+                            for i, g in enumerate(groups)]
+        self._recycling = [getattr(g.kv_cache_spec, "sliding_window", None) is not None
+                           or getattr(g.kv_cache_spec, "attention_chunk_size", None) is not None for g in groups]
+        self.recorder = Recorder(self.sim.hash_block_size, self.group_names, self.sim.kv_cache_config.num_blocks - 1)
+        self.tally = TransferTally()
+        self.conn = self.sched.get_kv_connector()
+        self.side = getattr(self.conn, "scheduler_side", None)
+        if kind == "vllm-offloading":
+            from offload_connector.sim.vllm_offloading import (VllmOffloadingDriver, VllmOffloadingWorkerSim,
+                                                               _bytes_per_gpu_block)
+            worker = VllmOffloadingWorkerSim(vc, self.sim.worker_kv_cache_config, latency_steps=1)
+            fake = TimedFakeOffloadingWorker(clock, _bytes_per_gpu_block(self.sim.worker_kv_cache_config))
+            worker.engine = fake
+            worker.connector.connector_worker.worker = fake
+            self.tally = fake.tally
+            self.driver: Any = VllmOffloadingDriver(self.sched, worker)
+        elif self.side is not None:
+            eng = TimedTagCopyEngine(clock, [g.block_bytes for g in self.side.groups])
+            self.tally = eng.tally
+            self.driver = SchedulerDriver(self.sched, eng, check_loads=settings.check_loads)
+        else:
+            self.driver = SchedulerDriver(self.sched, None)
+        self._instrument()
+
+    # ---------------------------------------------------------- instrumentation
+    def _instrument(self) -> None:
+        sched, rec, clock = self.sched, self.recorder, self.clock
+        schedule, update = sched.schedule, sched.update_from_output
+
+        def timed_schedule(*a: Any, **kw: Any) -> Any:
+            out = schedule(*a, **kw)
+            prefill, decode = rec.on_schedule(out, sched.requests)
+            clock.begin_batch(prefill, decode)
+            return out
+
+        def observed_update(scheduler_output: Any, model_runner_output: Any) -> Any:
+            t = clock.pop_applied_batch_end()
+            res = update(scheduler_output, model_runner_output)
+            rec.on_applied(res, t)
+            return res
+
+        sched.schedule = timed_schedule
+        sched.update_from_output = observed_update
+        if self.conn is None:
+            return
+        lookup, alloc = self.conn.get_num_new_matched_tokens, self.conn.update_state_after_alloc
+        cpu_prefix = self._cpu_prefix_fn()
+
+        def observed_lookup(request: Any, num_computed_tokens: int, *a: Any, **kw: Any) -> Any:
+            res = lookup(request, num_computed_tokens, *a, **kw)
+            if res[0] is None:
+                rec.deferrals += 1
+            rec.on_lookup(request, cpu_prefix(request, num_computed_tokens, res[0]))
+            return res
+
+        def observed_alloc(request: Any, blocks: Any, num_external_tokens: int) -> Any:
+            rec.loaded_tokens += num_external_tokens
+            return alloc(request, blocks, num_external_tokens)
+
+        self.conn.get_num_new_matched_tokens = observed_lookup
+        self.conn.update_state_after_alloc = observed_alloc
+
+    def _cpu_prefix_fn(self) -> Callable[[Any, int, int | None], int | None]:
+        side = self.side
+        if side is not None:
+            # Ours decides admission after the lookup; ask the tier directly for what it could restore.
+            return lambda req, local, n: side._hit(req, req.num_tokens - 1)
+        # vLLM's connector answers with its tier hit (None: a store still pending; keep the previous answer).
+        return lambda req, local, n: None if n is None else local + n
+
+    # ------------------------------------------------------------------ stepping
+    def add(self, request: Any) -> None:
+        self.recorder.on_arrival(request, self.clock.now)
+        self.driver.add([request])
+
+    def busy(self) -> bool:
+        return self.driver.busy()
+
+    def waiting_count(self) -> int:
+        s = self.sched
+        return len(s.waiting) + len(getattr(s, "kv_holding_waiting", ()) or ())
+
+    def step(self) -> StepObs:
+        rec = self.driver.step()
+        if isinstance(self.driver, SchedulerDriver):
+            obs = StepObs(rec.scheduled_tokens, rec.running, rec.waiting, rec.free_blocks, rec.transfers_in_flight)
+        else:
+            landed = getattr(self.sched, "finished_recving_kv_req_ids", set())
+            in_flight = self.driver.worker.pending() or self.conn.has_pending_push_work() or any(
+                r.status.name == "WAITING_FOR_REMOTE_KVS" and r.request_id not in landed
+                for r in self.sched.requests.values())
+            obs = StepObs(rec.total_num_scheduled_tokens, len(self.sched.running), self.waiting_count(),
+                          self.driver.pool.get_num_free_blocks(), bool(in_flight))
+        self.recorder.on_step(self.clock.now, obs.free_blocks, obs.running, obs.waiting, self.group_live())
+        return obs
+
+    def recorder_completed(self) -> int:
+        return self.recorder.completed
+
+    @property
+    def step_no(self) -> int:
+        return self.driver.step_no
+
+    def group_live(self) -> list[int]:
+        """Distinct real blocks each KV cache group holds across requests."""
+        out = []
+        for mgr, recycling in zip(self.sched.kv_cache_manager.coordinator.single_type_managers, self._recycling):
+            ids: set[int] = set()
+            for blocks in mgr.req_to_blocks.values():
+                if recycling:  # windows replace the blocks they leave with null blocks, from the front
+                    for b in reversed(blocks):
+                        if b.is_null:
+                            break
+                        ids.add(b.block_id)
+                else:
+                    ids.update(b.block_id for b in blocks if not b.is_null)
+            out.append(len(ids))
+        return out
+
+    # ------------------------------------------------------------------ CPU tier
+    def tier_usage(self) -> tuple[int | None, int | None]:
+        """(host bytes the CPU tier occupies, prompt tokens whose full-attention KV it holds)."""
+        if self.side is not None:
+            side = self.side
+            full = {g.index: g.block_size for g in side.groups if not g.recycling}
+            entries = getattr(side.tier, "_entries", {})  # read-only peek; the index has no per-group count
+            tokens = sum(full[g] for g, _ in entries if g in full)
+            return len(entries) * side.slot_bytes, tokens
+        if self.kind == "vllm-offloading":
+            cs = self.conn.connector_scheduler
+            mgr = cs.manager
+            chunks = getattr(getattr(mgr, "_policy", None), "chunks", None)
+            if chunks is None:
+                return None, None
+            used = mgr._num_allocated_chunks - len(mgr._free_list)
+            full = {cs.config.kv_group_configs[i].group_idx: cs.config.kv_group_configs[i].tokens_per_chunk
+                    for i in cs._full_attention_groups}
+            tokens = sum(full.get(int.from_bytes(bytes(k)[-4:], "big"), 0) for k in chunks)
+            return used * self.vllm_chunk_bytes(), tokens
+        return None, None
+
+    def vllm_chunk_bytes(self) -> int:
+        kt = self.vllm_config.kv_transfer_config.kv_connector_extra_config
+        mgr = self.conn.connector_scheduler.manager
+        return int(kt["cpu_bytes_to_use"]) // max(1, mgr._num_chunks)

@@ -1,0 +1,77 @@
+"""Copy engines whose transfers take simulated time (bytes / bandwidth) instead of a fixed number of steps.
+
+Both wrap the existing step-based simulations unchanged: `TagCopyEngine` (our connector's worker, which also
+checks that every loaded block holds the tokens that were stored) and `FakeOffloadingWorker` (the copy engine under
+vLLM's real `OffloadingConnectorWorker`). Only the due time of a job changes: it is the finish time on its
+direction's stream (see timemodel.SimClock), compared against the end time of the batch whose output reports it.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Sequence
+
+from offload_connector.replay.timemodel import SimClock
+from offload_connector.sim.driver import TagCopyEngine
+from offload_connector.sim.vllm_offloading import FakeOffloadingWorker, _Job
+
+
+class TransferTally:
+    def __init__(self) -> None:
+        self.load_bytes = 0
+        self.store_bytes = 0
+        self.load_jobs = 0
+        self.store_jobs = 0
+
+    def add(self, is_load: bool, nbytes: int) -> None:
+        if is_load:
+            self.load_bytes += nbytes
+            self.load_jobs += 1
+        else:
+            self.store_bytes += nbytes
+            self.store_jobs += 1
+
+
+class TimedTagCopyEngine(TagCopyEngine):
+    """Our connector's simulated worker; a job completes when its bytes have crossed the simulated link."""
+
+    def __init__(self, clock: SimClock, group_block_bytes: Sequence[int]) -> None:
+        super().__init__(latency_steps=0)
+        self.clock = clock
+        self.group_bytes = list(group_block_bytes)
+        self.tally = TransferTally()
+
+    def submit(self, meta: Any, step: int) -> None:
+        before = len(self.inflight)
+        super().submit(meta, step)
+        for item in list(self.inflight)[before:]:
+            nbytes = sum(self.group_bytes[g] for g in item.job.groups)
+            item.due = self.clock.schedule_transfer("load" if item.is_load else "store", nbytes)
+            self.tally.add(item.is_load, nbytes)
+
+    def complete(self, step: int) -> Any:
+        # Called just before the batch's output is applied: jobs that finished by the end of that batch.
+        return super().complete(self.clock.peek_applied_batch_end())  # type: ignore[arg-type]
+
+
+class TimedFakeOffloadingWorker(FakeOffloadingWorker):
+    """The copy engine under vLLM's real OffloadingConnectorWorker, with bandwidth-based completion."""
+
+    def __init__(self, clock: SimClock, bytes_per_block: Callable[[Any], int]) -> None:
+        super().__init__(latency_steps=0, bytes_per_block=bytes_per_block)
+        self.clock = clock
+        self.tally = TransferTally()
+
+    def _submit(self, kind: str, job_id: int, gpu_spec: Any) -> bool:
+        nbytes = self._bytes(gpu_spec)
+        is_load = kind != "store"
+        due = self.clock.schedule_transfer("load" if is_load else "store", nbytes)
+        self._queues[kind].append(_Job(job_id, due, nbytes))  # type: ignore[arg-type]
+        self.submitted[kind] += 1
+        self.blocks[kind] += len(gpu_spec.block_ids)
+        self.tally.add(is_load, nbytes)
+        return True
+
+    def get_finished(self) -> list[Any]:
+        # vLLM's worker polls at the end of the forward of the batch it is executing.
+        self.now = self.clock.batch_end  # type: ignore[assignment]
+        return super().get_finished()

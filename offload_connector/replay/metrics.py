@@ -1,0 +1,199 @@
+"""What a replay measures, per connector, and the result record it ends in.
+
+Everything is observed at vLLM's own interfaces, the same way for every connector: the scheduler's outputs
+(scheduled tokens per request), the outputs applied back (first tokens, finishes), the connector calls the
+scheduler makes (`get_num_new_matched_tokens`, `update_state_after_alloc`) and the block pool.
+
+Recompute accounting, per request (prompt length P):
+- `reusable` = the longest prefix of the prompt that some earlier request had already computed when this one
+  arrived (at vLLM's hash-block granularity), capped at P - 1 (the last prompt token is always computed);
+- `recomputed` = prompt tokens the model computed for it beyond the P - reusable it had to compute (preemptions
+  included);
+- `recomputed_in_cpu` = of the reusable prefix, the part the connector's CPU tier held at its last lookup before
+  the request was first scheduled, minus what was loaded or hit locally: reuse the tier had but did not deliver.
+"""
+
+from __future__ import annotations
+
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+_PCTL = (50, 95)
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    s = sorted(values)
+    k = (len(s) - 1) * q / 100.0
+    lo = int(k)
+    hi = min(lo + 1, len(s) - 1)
+    return s[lo] + (s[hi] - s[lo]) * (k - lo)
+
+
+@dataclass
+class _Req:
+    arrival: float
+    prompt: int
+    reusable: int
+    cpu_prefix: int = 0
+    first_hit: int | None = None  # tokens already computed (local hit + loaded) when first scheduled
+    prefill_computed: int = 0
+    first_token: float | None = None
+    finished: float | None = None
+    outputs: int = 0
+
+
+@dataclass(frozen=True)
+class ConnectorResult:
+    connector: str
+    stalled: bool
+    first_stall_step: int | None
+    requests_total: int
+    requests_completed: int
+    simulated_seconds: float
+    steps: int
+    output_tokens: int
+    output_tokens_per_s: float
+    ttft_p50_s: float | None
+    ttft_p95_s: float | None
+    tokens_loaded_from_cpu: int
+    tokens_recomputed: int
+    recomputed_tokens_in_cpu: int
+    prompt_tokens_computed: int
+    gpu_pool_util_mean: float
+    gpu_pool_util_p95: float
+    gpu_pool_util_per_group: dict[str, dict[str, float]]
+    admission_deferrals: int
+    cpu_tier_bytes: int | None
+    cpu_tier_cached_tokens: int | None
+    cpu_tier_bytes_per_cached_token: float | None
+    transfer_bytes_loaded: int
+    transfer_bytes_stored: int
+    stopped_reason: str
+    wall_seconds: float
+    stall_dump: dict[str, Any] | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def to_json(self) -> dict[str, Any]:
+        return asdict(self)
+
+
+class Recorder:
+    """Collects one connector's run. Cheap per step: counters and a few numbers per step for the plots."""
+
+    def __init__(self, hash_block_size: int, group_names: list[str], usable_blocks: int) -> None:
+        self.hbs = hash_block_size
+        self.group_names = group_names
+        self.usable = max(1, usable_blocks)
+        self.reqs: dict[str, _Req] = {}
+        self.ever: set[Any] = set()  # hash-block hashes some request has computed
+        self.deferrals = 0
+        self.loaded_tokens = 0
+        self.output_tokens = 0
+        self.completed = 0
+        # Per step: pool use (the utilisation figures).
+        self.used: list[float] = []
+        self.group_used: list[list[float]] = [[] for _ in group_names]
+        # The plots also show idle stretches (the engine jumps to the next arrival without stepping).
+        self.plot: dict[str, list[float]] = {"t": [], "used": [], "running": [], "waiting": []}
+
+    # ---------------------------------------------------------------- requests
+    def on_arrival(self, request: Any, t: float) -> None:
+        n = 0
+        for h in request.block_hashes:
+            if h not in self.ever:
+                break
+            n += 1
+        reusable = min(n * self.hbs, request.num_prompt_tokens - 1)
+        self.reqs[request.request_id] = _Req(t, request.num_prompt_tokens, reusable)
+
+    def on_lookup(self, request: Any, cpu_prefix: int | None) -> None:
+        r = self.reqs.get(request.request_id)
+        if r is not None and r.first_hit is None and cpu_prefix is not None:
+            r.cpu_prefix = cpu_prefix
+
+    def on_schedule(self, out: Any, requests: dict[str, Any]) -> tuple[int, int]:
+        """Account one scheduled batch; returns (prompt tokens, decoding requests) for the step-time model."""
+        prefill = decode = 0
+        for rid, n in out.num_scheduled_tokens.items():
+            req = requests[rid]
+            after = req.num_computed_tokens  # schedule() has advanced it already
+            before = after - n
+            prompt = req.num_prompt_tokens
+            part = max(0, min(after, prompt) - before)
+            r = self.reqs.get(rid)
+            if r is not None:
+                if r.first_hit is None:
+                    r.first_hit = before
+                r.prefill_computed += part
+                if part and after >= prompt:
+                    self.ever.update(req.block_hashes[: prompt // self.hbs])
+            if part:
+                prefill += part
+            else:
+                decode += 1
+        return prefill, decode
+
+    def on_applied(self, engine_outputs: Any, t: float) -> None:
+        for eco in (engine_outputs or {}).values():
+            for o in eco.outputs:
+                r = self.reqs.get(o.request_id)
+                k = len(o.new_token_ids or ())
+                self.output_tokens += k
+                if r is None:
+                    continue
+                r.outputs += k
+                if k and r.first_token is None:
+                    r.first_token = t
+                if o.finish_reason is not None and r.finished is None:
+                    r.finished = t
+                    self.completed += 1
+
+    # ------------------------------------------------------------------- steps
+    def on_step(self, t: float, free_blocks: int, running: int, waiting: int, group_live: list[int]) -> None:
+        self.used.append((self.usable - free_blocks) / self.usable)
+        for g, n in enumerate(group_live):
+            self.group_used[g].append(n / self.usable)
+        self._plot_point(t, self.used[-1], running, waiting)
+
+    def on_idle(self, t_from: float, t_to: float, free_blocks: int) -> None:
+        used = (self.usable - free_blocks) / self.usable
+        self._plot_point(t_from, used, 0, 0)
+        self._plot_point(t_to, used, 0, 0)
+
+    def _plot_point(self, t: float, used: float, running: int, waiting: int) -> None:
+        p = self.plot
+        p["t"].append(t)
+        p["used"].append(used)
+        p["running"].append(running)
+        p["waiting"].append(waiting)
+
+    # ------------------------------------------------------------------ result
+    def summary(self) -> dict[str, Any]:
+        done = [r for r in self.reqs.values() if r.finished is not None]
+        ttft = [r.first_token - r.arrival for r in self.reqs.values() if r.first_token is not None]
+        recomputed = in_cpu = computed = 0
+        for r in self.reqs.values():
+            computed += r.prefill_computed
+            if r.first_hit is None:
+                continue
+            recomputed += max(0, r.prefill_computed - (r.prompt - r.reusable))
+            in_cpu += max(0, min(r.cpu_prefix, r.reusable) - r.first_hit)
+        per_group = {name: {"mean": _mean(v), "p95": percentile(v, 95) or 0.0}
+                     for name, v in zip(self.group_names, self.group_used)}
+        return dict(
+            requests_completed=len(done),
+            output_tokens=self.output_tokens,
+            ttft_p50_s=percentile(ttft, 50), ttft_p95_s=percentile(ttft, 95),
+            tokens_loaded_from_cpu=self.loaded_tokens, tokens_recomputed=recomputed,
+            recomputed_tokens_in_cpu=in_cpu, prompt_tokens_computed=computed,
+            gpu_pool_util_mean=_mean(self.used), gpu_pool_util_p95=percentile(self.used, 95) or 0.0,
+            gpu_pool_util_per_group=per_group, admission_deferrals=self.deferrals)
+
+    def series(self) -> dict[str, list[float]]:
+        return self.plot
+
+
+def _mean(v: list[float]) -> float:
+    return sum(v) / len(v) if v else 0.0

@@ -1,0 +1,88 @@
+"""The side-by-side results table (one column per connector) and the header that says what was simulated."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from offload_connector.replay.metrics import ConnectorResult
+
+
+def _f(fmt: str) -> Callable[[Any], str]:
+    return lambda v: "-" if v is None else format(v, fmt)
+
+
+def _pct(v: float | None) -> str:
+    return "-" if v is None else f"{100 * v:.1f}%"
+
+
+def _bytes(v: float | None) -> str:
+    if v is None:
+        return "-"
+    for unit, div in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(v) >= div:
+            return f"{v / div:.1f} {unit}"
+    return f"{v:.0f} B"
+
+
+ROWS: list[tuple[str, Callable[[ConnectorResult], Any], Callable[[Any], str]]] = [
+    ("stalled", lambda r: r.stalled, str),
+    ("first_stall_step", lambda r: r.first_stall_step, _f(",")),
+    ("requests completed/total", lambda r: f"{r.requests_completed}/{r.requests_total}", str),
+    ("simulated seconds", lambda r: r.simulated_seconds, _f(",.1f")),
+    ("steps", lambda r: r.steps, _f(",")),
+    ("output tokens / sim s", lambda r: r.output_tokens_per_s, _f(",.1f")),
+    ("TTFT p50 (s)", lambda r: r.ttft_p50_s, _f(".3f")),
+    ("TTFT p95 (s)", lambda r: r.ttft_p95_s, _f(".3f")),
+    ("tokens loaded from CPU", lambda r: r.tokens_loaded_from_cpu, _f(",")),
+    ("tokens recomputed", lambda r: r.tokens_recomputed, _f(",")),
+    ("  of which were in CPU tier", lambda r: r.recomputed_tokens_in_cpu, _f(",")),
+    ("prompt tokens computed", lambda r: r.prompt_tokens_computed, _f(",")),
+    ("GPU pool util mean", lambda r: r.gpu_pool_util_mean, _pct),
+    ("GPU pool util p95", lambda r: r.gpu_pool_util_p95, _pct),
+    ("admission deferrals", lambda r: r.admission_deferrals, _f(",")),
+    ("CPU tier bytes", lambda r: r.cpu_tier_bytes, _bytes),
+    ("CPU tier bytes / cached token", lambda r: r.cpu_tier_bytes_per_cached_token, _bytes),
+    ("bytes loaded / stored", lambda r: f"{_bytes(r.transfer_bytes_loaded)} / {_bytes(r.transfer_bytes_stored)}",
+     str),
+    ("wall seconds", lambda r: r.wall_seconds, _f(".1f")),
+]
+
+
+def render(results: list[ConnectorResult]) -> str:
+    head = ["metric"] + [r.connector for r in results]
+    rows = [head]
+    for label, get, fmt in ROWS:
+        rows.append([label] + [fmt(get(r)) for r in results])
+    groups = sorted({g for r in results for g in r.gpu_pool_util_per_group})
+    for g in groups:
+        rows.append([f"  pool {g} mean/p95"] + [
+            "-" if g not in r.gpu_pool_util_per_group else
+            f"{_pct(r.gpu_pool_util_per_group[g]['mean'])}/{_pct(r.gpu_pool_util_per_group[g]['p95'])}"
+            for r in results])
+    widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
+    lines = []
+    for n, row in enumerate(rows):
+        lines.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))))
+        if n == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def header(out: Any) -> str:
+    cfg = out.config
+    tm = cfg.time_model
+    import vllm
+
+    return "\n".join([
+        f"replay: {out.workload}, {out.requests} requests ({out.clipped} clipped to max_model_len), "
+        f"model {cfg.model}, vLLM {vllm.__version__}",
+        f"pool {cfg.num_gpu_blocks:,} GPU blocks, CPU tier {cfg.cpu_bytes / 2**30:.1f} GiB, "
+        f"max_num_batched_tokens {cfg.max_num_batched_tokens}, max_model_len {cfg.max_model_len:,}, "
+        f"max_num_seqs {cfg.max_num_seqs}, async scheduling (2 batches in flight), seed {cfg.seed}, "
+        f"time scale {cfg.time_scale}",
+        f"step time = {tm.overhead_ms} ms + {tm.prefill_token_us} us x prompt tokens + {tm.decode_request_us} us x "
+        f"decoding requests (empty step {tm.idle_step_ms} ms) [{tm.basis}]",
+        f"transfers: bytes / {tm.bandwidth_gbps} GB/s per direction, one job after another per direction",
+        f"stall: {cfg.stall_steps} consecutive steps with no token scheduled while requests wait and no transfer is "
+        f"in flight",
+    ])

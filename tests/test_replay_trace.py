@@ -1,0 +1,135 @@
+"""Replay inputs: Mooncake-format parsing and validation, prompt derivation, built-in workloads, CLI arguments."""
+
+from __future__ import annotations
+
+import gzip
+import json
+
+import pytest
+
+from offload_connector.replay.command import parse_bytes
+from offload_connector.replay.timemodel import SimClock, TimeModel, time_model_for
+from offload_connector.replay.trace import (
+    SAMPLED_TOKEN,
+    PromptBuilder,
+    TraceError,
+    clip_to_model,
+    load_trace,
+    parse_lines,
+    prompt_tokens,
+)
+from offload_connector.replay.workloads import BUILTIN, resolve_trace
+
+
+def _line(**kw: object) -> str:
+    rec = {"timestamp": 0, "input_length": 600, "output_length": 5, "hash_ids": [1, 2]}
+    rec.update(kw)
+    return json.dumps({k: v for k, v in rec.items() if v is not None})
+
+
+@pytest.mark.parametrize("bad, field", [
+    (dict(timestamp=-1), "timestamp"),
+    (dict(timestamp="soon"), "timestamp"),
+    (dict(input_length=0), "input_length"),
+    (dict(input_length=1.5), "input_length"),
+    (dict(output_length=0), "output_length"),
+    (dict(hash_ids=[1, "x"]), "hash_ids"),
+    (dict(hash_ids=[1]), "hash_ids"),  # 600 tokens need 2 ids of 512
+    (dict(hash_ids=[1, 2, 3]), "hash_ids"),
+])
+def test_malformed_line_names_line_and_field(bad: dict, field: str) -> None:
+    lines = [_line(), _line(timestamp=5), _line(**bad)]
+    with pytest.raises(TraceError) as err:
+        parse_lines(lines, "t.jsonl")
+    assert "t.jsonl line 3" in str(err.value) and f"'{field}'" in str(err.value)
+
+
+def test_missing_field_and_bad_json_name_the_line() -> None:
+    with pytest.raises(TraceError, match=r"line 2: missing field 'hash_ids'"):
+        parse_lines([_line(), json.dumps({"timestamp": 1, "input_length": 3, "output_length": 1})])
+    with pytest.raises(TraceError, match=r"line 1: not valid JSON"):
+        parse_lines(["{oops"])
+    with pytest.raises(TraceError, match=r"no requests"):
+        parse_lines(["", "  "])
+
+
+def test_sessions_must_chain(tmp_path) -> None:
+    ok = [_line(session="a", turn=0), _line(timestamp=9, input_length=1100, hash_ids=[1, 2, 3], session="a", turn=1)]
+    assert [r.turn for r in parse_lines(ok)] == [0, 1]
+    with pytest.raises(TraceError, match=r"line 1: field 'turn' is 1 but turn 0"):
+        parse_lines([_line(session="a", turn=1)])
+    with pytest.raises(TraceError, match=r"line 2: field 'input_length'"):
+        parse_lines([_line(session="a", turn=0), _line(timestamp=1, session="a", turn=1)])
+    with pytest.raises(TraceError, match=r"'session' and 'turn' go together"):
+        parse_lines([_line(session="a")])
+
+
+def test_load_gz_sorts_by_time_and_keeps_extra_fields(tmp_path) -> None:
+    p = tmp_path / "t.jsonl.gz"
+    with gzip.open(p, "wt") as fh:
+        fh.write(_line(timestamp=7, chat="x") + "\n\n" + _line(timestamp=3) + "\n")
+    recs = load_trace(p)
+    assert [r.timestamp_ms for r in recs] == [3.0, 7.0]
+    assert recs[1].get("chat") == "x" and recs[1].line == 1
+
+
+def test_shared_hash_ids_give_shared_token_prefixes() -> None:
+    a = prompt_tokens([10, 11, 12], 1100, seed=0)
+    b = prompt_tokens([10, 11, 99], 1300, seed=0)
+    assert len(a) == 1100 and len(b) == 1300
+    assert a[:1024] == b[:1024] and a[1024:1100] != b[1024:1100]
+    assert prompt_tokens([10], 300, seed=1) != a[:300]  # the seed changes the expansion
+
+
+def test_next_turn_resumes_after_the_previous_answer() -> None:
+    recs = parse_lines([_line(session="s", turn=0, output_length=4),
+                        _line(timestamp=1, input_length=700, hash_ids=[1, 5], session="s", turn=1)])
+    pb = PromptBuilder(seed=0)
+    first = pb.build(recs[0], 600, 4)
+    second = pb.build(recs[1], 700, 4)
+    assert second[:604] == first + [SAMPLED_TOKEN] * 4 and len(second) == 700
+
+
+def test_clip_keeps_the_prefix() -> None:
+    rec = parse_lines([_line(input_length=5000, hash_ids=list(range(10)), output_length=900)])[0]
+    c = clip_to_model(rec, 4096)
+    assert c.clipped and c.input_length + c.output_length <= 4096 and c.output_length == 900
+
+
+@pytest.mark.parametrize("name", ["gemma4-31b-returning", "deepseek-v4-flash-1m"])
+def test_builtin_workloads_are_deterministic_and_valid(name: str) -> None:
+    a, b, c = BUILTIN[name](0), BUILTIN[name](0), BUILTIN[name](1)
+    assert a.records == b.records and a.records != c.records
+    # Round trip through the Mooncake loader (the session chain is checked there too).
+    lines = [json.dumps({"timestamp": r.timestamp_ms, "input_length": r.input_length,
+                         "output_length": r.output_length, "hash_ids": list(r.hash_ids),
+                         "session": r.session, "turn": r.turn}) for r in a.records]
+    assert len(parse_lines(lines)) == len(a.records)
+    phases = {r.get("phase") for r in a.records}
+    assert any(p.startswith("burst-k") for p in phases)
+
+
+def test_mooncake_synthetic_is_carried() -> None:
+    w = resolve_trace("mooncake-synthetic", 0)
+    assert len(w.records) == 3993 and w.records[0].input_length == 40160
+
+
+def test_time_model() -> None:
+    tm = TimeModel(10.0, 50.0, 20.0, bandwidth_gbps=50.0)
+    assert tm.step_seconds(1000, 2) == pytest.approx(0.010 + 0.050 + 0.00004)
+    assert tm.step_seconds(0, 0) == pytest.approx(0.001)
+    clock = SimClock(tm)
+    clock.begin_batch(0, 1)
+    done = [clock.schedule_transfer("load", 5 * 10**8), clock.schedule_transfer("load", 5 * 10**8)]
+    assert done == pytest.approx([0.01, 0.02])  # 10 ms each at 50 GB/s, one after another
+    assert clock.schedule_transfer("store", 10**9) == pytest.approx(0.02)  # the other direction is independent
+    with pytest.raises(ValueError, match="bandwidth_gbps"):
+        TimeModel(1.0, 1.0, 1.0, bandwidth_gbps=0)
+    assert time_model_for("gemma-4-31b", overhead_ms=3.0).overhead_ms == 3.0
+
+
+def test_parse_bytes() -> None:
+    assert parse_bytes("40GiB") == 40 * 2**30 and parse_bytes("64g") == 64 * 10**9 and parse_bytes("100") == 100
+    for bad in ("lots", "-1g", "0"):
+        with pytest.raises(Exception, match="byte size"):
+            parse_bytes(bad)
