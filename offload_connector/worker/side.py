@@ -145,6 +145,9 @@ class OffloadWorker:
     # ----------------------------------------------------------- fault injection
     def _corrupt(self, job: TransferJob) -> None:
         assert self.layout is not None
+        # Flip the top bit of every other byte: for 16-bit KV (bf16/fp16, little-endian) that negates each value,
+        # so the block stays finite and plausible instead of turning into NaNs a model might just propagate.
         group, block = job.groups[0], job.gpu_blocks[0]
         for page in self.layout.segments[group]:
-            self._device_views[page][block].bitwise_not_()
+            row = self._device_views[page][block]
+            row[1::2] ^= 0x80
