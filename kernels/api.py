@@ -16,9 +16,6 @@ import torch
 Direction = Literal["h2d", "d2h"]
 DIRECTIONS: tuple[str, ...] = ("h2d", "d2h")
 
-# One group's blocks for one call: (host_slot_ids, device_block_ids), or None for no blocks.
-GroupIds = "tuple[np.ndarray, np.ndarray] | None"
-
 
 class Completion:
     """Completion handle of one `copy` call.
