@@ -101,7 +101,8 @@ class KernelCopier(BlockCopier):
             seg_flat, self._seg_begins = workplan.segment_tensors(self.segments)
             self._seg_flat = torch.from_numpy(seg_flat).to(self.device)
             self._page_bytes = page
-            self._fn = _module(index).get_function(f"kv_gather_scatter_v{self.width}")
+            with cupy.cuda.Device(index):  # the function is loaded into this device's (primary) context
+                self._fn = _module(index).get_function(f"kv_gather_scatter_v{self.width}")
             torch.cuda.synchronize(index)  # tables are on the device before the first launch reads them
         self._cupy = cupy
 
