@@ -30,6 +30,9 @@ class OffloadConfig:
     deferral_fallback: str = "recompute"
     # Loads shorter than this are not worth a transfer; the tokens are recomputed.
     min_load_tokens: int = 1
+    # The stall watchdog fires after this many consecutive steps that schedule no token while requests wait and no
+    # transfer is in flight: it logs the ledger and who holds the pool once, and raises a metric.
+    stall_watchdog_steps: int = 100
     # How the worker moves bytes; "auto" measures the candidates at start-up on a GPU.
     transfer_backend: str = "auto"
     # Fault injection for tests: overwrite the first block of every load after it lands, so that output
@@ -61,6 +64,8 @@ class OffloadConfig:
             values["max_deferral_steps"] = _positive_int("max_deferral_steps", extra.pop("max_deferral_steps"))
         if "min_load_tokens" in extra:
             values["min_load_tokens"] = _positive_int("min_load_tokens", extra.pop("min_load_tokens"))
+        if "stall_watchdog_steps" in extra:
+            values["stall_watchdog_steps"] = _positive_int("stall_watchdog_steps", extra.pop("stall_watchdog_steps"))
         if "transfer_backend" in extra:
             values["transfer_backend"] = _choice("transfer_backend", extra.pop("transfer_backend"), TRANSFER_BACKENDS)
         if "debug_corrupt_load" in extra:

@@ -33,6 +33,8 @@ labels):
 | `vllm:offload_connector_cpu_tier_capacity_blocks` | gauge | | scheduler | CPU-tier slots in all |
 | `vllm:offload_connector_cpu_tier_usage_perc` | gauge | | scheduler | used / capacity, 0..1 (as `vllm:kv_cache_usage_perc`) |
 | `vllm:offload_connector_cpu_tier_evictions_total` | counter | | scheduler | CPU-tier entries evicted to make room |
+| `vllm:offload_connector_stalls_total` | counter | | scheduler | stalls the watchdog detected |
+| `vllm:offload_connector_stalled` | gauge | | scheduler | 1 while the watchdog sees a stall |
 
 Deferral reasons (a closed set, so the `reason` label stays bounded; add a reason here before recording it):
 
@@ -70,11 +72,13 @@ COUNTERS, GAUGES, SAMPLES = "counters", "gauges", "samples"
 LOADED_BYTES, LOADED_BLOCKS, LOAD_FAILURES = "loaded_bytes", "loaded_blocks", "load_failures"
 STORED_BYTES, STORED_BLOCKS, STORE_FAILURES = "stored_bytes", "stored_blocks", "store_failures"
 EVICTIONS = "cpu_tier_evictions"
+STALLS = "stalls_detected"
 DEFERRAL_PREFIX = "deferrals:"
 # Histogram sample keys.
 LOAD_SECONDS, STORE_SECONDS = "load_seconds", "store_seconds"
 # Gauge keys.
 TIER_USED, TIER_CAPACITY, DEFERRED_REQUESTS = "cpu_tier_used_blocks", "cpu_tier_capacity_blocks", "deferred_requests"
+STALLED = "stalled"
 
 _TRANSFER_KEYS: dict[str, tuple[str, str, str, str]] = {
     "load": (LOADED_BYTES, LOADED_BLOCKS, LOAD_FAILURES, LOAD_SECONDS),
@@ -129,8 +133,11 @@ class OffloadStats(KVConnectorStats):
     def record_evictions(self, count: int) -> None:
         self._add(EVICTIONS, count)
 
+    def record_stall(self) -> None:
+        self._add(STALLS, 1)
+
     def set_gauge(self, key: str, value: float) -> None:
-        if key not in (TIER_USED, TIER_CAPACITY, DEFERRED_REQUESTS):
+        if key not in (TIER_USED, TIER_CAPACITY, DEFERRED_REQUESTS, STALLED):
             raise ValueError(f"unknown gauge {key!r}")
         self.data[GAUGES][key] = value
 
@@ -174,7 +181,7 @@ class OffloadStats(KVConnectorStats):
                 # Bytes of all workers over the time of all workers: mean bandwidth of one worker's copies.
                 out[f"{direction}_GBps"] = _sig(counters.get(nbytes_key, 0) / total / 1e9) if total > 0 else 0.0
         for key, value in counters.items():
-            if key.startswith(DEFERRAL_PREFIX) or key == EVICTIONS:
+            if key.startswith(DEFERRAL_PREFIX) or key in (EVICTIONS, STALLS):
                 out[key.replace(":", "_")] = value
         out.update(gauges)
         if gauges.get(TIER_CAPACITY):
@@ -221,6 +228,13 @@ class OffloadStatsSink:
             self._stats.record_evictions(delta)
             self._gauges[TIER_USED] = used_slots
             self._gauges[TIER_CAPACITY] = total_slots
+
+    def record_stall_state(self, stalled: bool, newly_detected: bool) -> None:
+        """Scheduler side, every step: the watchdog's verdict (a counter per detected stall, a 0/1 gauge)."""
+        with self._lock:
+            if newly_detected:
+                self._stats.record_stall()
+            self._gauges[STALLED] = 1 if stalled else 0
 
     def record_deferred_requests(self, count: int) -> None:
         """Scheduler side: how many requests have a deferred load right now."""

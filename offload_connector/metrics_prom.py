@@ -30,6 +30,8 @@ _COUNTERS: dict[str, tuple[str, str]] = {
     m.LOAD_FAILURES: ("load_failures_total", "Load jobs that failed on a worker; their requests recompute."),
     m.STORE_FAILURES: ("store_failures_total", "Store jobs that failed on a worker; their blocks are not cached."),
     m.EVICTIONS: ("cpu_tier_evictions_total", "CPU-tier entries evicted to make room for new stores."),
+    m.STALLS: ("stalls_total", "Stalls the watchdog detected: no token scheduled for stall_watchdog_steps steps "
+                               "while requests waited and no transfer was in flight."),
 }
 _DEFERRALS = ("deferrals_total", (
     "Load decisions other than admitting the full hit now, by reason: pool_full (held back this step, does not fit "
@@ -39,6 +41,7 @@ _GAUGES: dict[str, tuple[str, str]] = {
     m.TIER_USED: ("cpu_tier_used_blocks", "CPU-tier slots in use (one KV block of one group each)."),
     m.TIER_CAPACITY: ("cpu_tier_capacity_blocks", "CPU-tier slots in all."),
     m.DEFERRED_REQUESTS: ("deferred_requests", "Requests whose load from the CPU tier is deferred right now."),
+    m.STALLED: ("stalled", "1 while the watchdog sees the engine stalled (see stalls_total), else 0."),
 }
 _USAGE = ("cpu_tier_usage_perc", "CPU-tier usage, used over capacity slots; 1 means 100 percent.")
 _HISTOGRAMS: dict[str, tuple[str, str]] = {

@@ -24,6 +24,7 @@ def test_defaults_and_suffixes():
     ({"cpu_bytes": 10, "transfer_backend": "dma"},
      "'transfer_backend' must be one of ['auto', 'reference', 'kernel', 'batch', 'per_page']"),
     ({"cpu_bytes": 10, "debug_corrupt_load": "yes"}, "'debug_corrupt_load' must be true or false"),
+    ({"cpu_bytes": 10, "stall_watchdog_steps": -1}, "'stall_watchdog_steps' must be a positive integer"),
 ])
 def test_bad_config_names_key_and_accepted_values(extra, needle):
     with pytest.raises(ConfigError) as err:

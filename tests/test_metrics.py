@@ -370,3 +370,14 @@ def test_module_imports_neither_side() -> None:
         names = [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)] + \
                 [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
         assert not [n for n in names if n and (".scheduler" in n or ".worker" in n or n.startswith("torch"))]
+
+
+def test_stall_state_counter_once_and_gauge_while_stalled():
+    sink = m.OffloadStatsSink()
+    sink.record_stall_state(stalled=True, newly_detected=True)
+    first = sink.take()
+    assert first.data[m.COUNTERS][m.STALLS] == 1 and first.data[m.GAUGES][m.STALLED] == 1
+    sink.record_stall_state(stalled=True, newly_detected=False)
+    assert sink.take() is None  # nothing new: no second count, gauge unchanged
+    sink.record_stall_state(stalled=False, newly_detected=False)
+    assert sink.take().data[m.GAUGES][m.STALLED] == 0

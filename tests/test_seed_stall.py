@@ -15,7 +15,8 @@ def check_admissions_exact(result):
 
 @pytest.fixture(scope="module")
 def gemma_results():
-    return {mode: run_stall_scenario(GEMMA4_SEED, mode) for mode in ("vllm", "exact")}
+    # The watchdog threshold sits below the driver's stall verdict (100 idle steps) so it has time to fire.
+    return {mode: run_stall_scenario(GEMMA4_SEED, mode, stall_watchdog_steps=20) for mode in ("vllm", "exact")}
 
 
 def test_gemma4_vllm_reservation_stalls(gemma_results):
@@ -27,6 +28,20 @@ def test_gemma4_vllm_reservation_stalls(gemma_results):
     assert r.free_blocks_end == 175
     # The ledger knows why: the two loaded requests still need 678 blocks each.
     assert sorted(sum(row.remaining) for row in r.snapshot.rows) == [678, 678]
+
+
+def test_watchdog_catches_the_vllm_reservation_stall_and_names_the_holders(gemma_results):
+    r = gemma_results["vllm"]
+    assert r.watchdog_detections == 1  # once per stall, not once per idle step
+    report = r.watchdog_report
+    assert report.idle_steps == 20 and report.waiting == 2 and report.snapshot.free_blocks == 175
+    assert sorted(h.request_id for h in report.holders) == ["return-0", "return-1"]
+    assert [sum(h.held) for h in report.holders] == [1006, 1006]
+    assert "holds 1006 blocks" in report.describe()
+
+
+def test_watchdog_never_fires_in_exact_mode(gemma_results):
+    assert gemma_results["exact"].watchdog_detections == 0
 
 
 def test_gemma4_exact_reservation_completes(gemma_results):
@@ -46,7 +61,8 @@ def test_gemma4_exact_reservation_completes(gemma_results):
 @pytest.mark.slow
 @pytest.mark.parametrize("mode", ["vllm", "exact"])
 def test_deepseek_v4_flash_500k(mode):
-    r = run_stall_scenario(DEEPSEEK_V4_SEED, mode)
+    r = run_stall_scenario(DEEPSEEK_V4_SEED, mode, stall_watchdog_steps=20)
+    assert r.watchdog_detections == (1 if mode == "vllm" else 0)
     if mode == "vllm":
         assert r.stalled and r.returning_completed < DEEPSEEK_V4_SEED.sessions
         assert r.free_blocks_end < 420  # less than one 1024-token chunk of the packed groups

@@ -18,6 +18,7 @@ from offload_connector.metrics import OffloadStats, OffloadStatsSink
 from offload_connector.scheduler import ledger
 from offload_connector.scheduler.lookup import BlockKeys, longest_hit
 from offload_connector.scheduler.tier_index import TierIndex
+from offload_connector.scheduler.watchdog import PoolHolder, StallReport, StallWatchdog
 
 logger = logging.getLogger("offload_connector")
 
@@ -90,6 +91,7 @@ class OffloadScheduler:
         self.tier = TierIndex(capacity, [g.block_bytes for g in self.groups])
         self.counters = SchedulerCounters()
         self.stats = OffloadStatsSink()
+        self.watchdog = StallWatchdog(config.stall_watchdog_steps)
         self._managers: list[Any] | None = None
         self._pool: Any = None
         self._kv_manager: Any = None
@@ -405,10 +407,31 @@ class OffloadScheduler:
             if state is None or rid in self._loads:
                 continue
             self._plan_stores(state, state.request.num_computed_tokens + n, None)
+        self._watch(scheduler_output)
         meta = OffloadMetadata(step=self._step, loads=tuple(self._pending_loads), stores=tuple(self._pending_stores),
                                delayed_free=tuple(self._delayed_free), store_fences=fences)
         self._pending_loads, self._pending_stores, self._delayed_free = [], [], []
         return meta
+
+    def _watch(self, scheduler_output: Any) -> None:
+        # With no token scheduled nothing runs, so every unfinished request is waiting.
+        waiting = sum(1 for st in self._requests.values() if not st.finished)
+        in_flight = bool(self._loads or self._orphan_loads or self._store_jobs or self._pending_loads)
+        detected = self.watchdog.observe(scheduler_output.total_num_scheduled_tokens, waiting, in_flight)
+        if detected:
+            self.watchdog.report(StallReport(self._step, self.watchdog.idle_steps, waiting, self.snapshot(),
+                                             self._holders()))
+        self.stats.record_stall_state(self.watchdog.stalled, detected)
+
+    def _holders(self) -> tuple[PoolHolder, ...]:
+        assert self._managers is not None
+        holders = []
+        for rid, state in self._requests.items():
+            held = tuple(ledger.live_counts(m.req_to_blocks.get(rid, ()))[1] for m in self._managers)
+            if any(held):
+                status = getattr(state.request.status, "name", str(state.request.status))
+                holders.append(PoolHolder(rid, status, held))
+        return tuple(holders)
 
     def _fences(self, scheduler_output: Any) -> tuple[int, ...]:
         """Store jobs still reading a block that this step allocates afresh (freed by a window move, reused)."""

@@ -50,6 +50,8 @@ class ScenarioResult:
     deferral_timeouts: int
     admissions: list[Any] = field(default_factory=list)
     snapshot: Any = None
+    watchdog_detections: int = 0
+    watchdog_report: Any = None  # scheduler.watchdog.StallReport of the last detection
 
     @property
     def pool_drained(self) -> bool:
@@ -96,4 +98,5 @@ def run_stall_scenario(scn: StallScenario, reservation: str, progress: Any = Non
         returning_completed=done, steps=result.steps, free_blocks_end=drv.pool.get_num_free_blocks(),
         num_blocks=scn.num_blocks, loaded_tokens=side.counters.loaded_tokens, deferrals=side.counters.deferrals,
         deferral_timeouts=side.counters.deferral_timeouts,
-        admissions=list(side.admissions), snapshot=side.snapshot())
+        admissions=list(side.admissions), snapshot=side.snapshot(),
+        watchdog_detections=side.watchdog.detections, watchdog_report=side.watchdog.last_report)
