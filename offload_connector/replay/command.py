@@ -36,8 +36,9 @@ class TraceDefaults:
 
 
 # The Mooncake synthetic trace is 3,993 requests in 17 minutes averaging 15k prompt tokens: about 3x what one
-# simulated accelerator computes. The default replays its first 200 requests with arrivals spread 3x.
-TRACE_DEFAULTS = {"mooncake-synthetic": TraceDefaults(200, 3.0)}
+# simulated accelerator computes. The default replays its first 200 requests with arrivals spread 6x (below
+# saturation, so time to first token is not all queueing).
+TRACE_DEFAULTS = {"mooncake-synthetic": TraceDefaults(200, 6.0)}
 
 _SUFFIXES = {"": 1, "k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "ki": 2**10, "mi": 2**20, "gi": 2**30,
              "ti": 2**40}
@@ -75,7 +76,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--seed", type=int, default=0, help="workload generation and prompt token ids")
     p.add_argument("--limit", type=int, help="replay only the first N requests (mooncake-synthetic: 200)")
-    p.add_argument("--time-scale", type=float, help="multiply arrival times (mooncake-synthetic: 3.0; else 1.0)")
+    p.add_argument("--time-scale", type=float, help="multiply arrival times (mooncake-synthetic: 6.0; else 1.0)")
     p.add_argument("--stall-steps", type=int, default=200, help="K consecutive idle steps that count as a stall")
     p.add_argument("--max-steps", type=int, default=200_000)
     p.add_argument("--bandwidth-gbps", type=float, default=50.0, help="host<->device GB/s per direction")

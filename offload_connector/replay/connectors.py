@@ -17,7 +17,8 @@ from dataclasses import dataclass
 from typing import Any, Callable
 
 from offload_connector.replay import CONNECTORS
-from offload_connector.replay.engines import TimedFakeOffloadingWorker, TimedTagCopyEngine, TransferTally
+from offload_connector.replay.engines import (TimedFakeOffloadingWorker, TimedTagCopyEngine, TransferTally,
+                                             block_id_bytes, spec_bytes)
 from offload_connector.replay.metrics import Recorder
 from offload_connector.replay.timemodel import SimClock
 from offload_connector.sim.driver import SchedulerDriver
@@ -79,19 +80,20 @@ class ReplayEngine:
                            or getattr(g.kv_cache_spec, "attention_chunk_size", None) is not None for g in groups]
         self.recorder = Recorder(self.sim.hash_block_size, self.group_names, self.sim.kv_cache_config.num_blocks - 1)
         self.tally = TransferTally()
+        # Transfer time uses the real bytes of a block id per group, the same figure for every connector.
+        self.block_bytes = block_id_bytes(self.sim.worker_kv_cache_config)
         self.conn = self.sched.get_kv_connector()
         self.side = getattr(self.conn, "scheduler_side", None)
         if kind == "vllm-offloading":
-            from offload_connector.sim.vllm_offloading import (VllmOffloadingDriver, VllmOffloadingWorkerSim,
-                                                               _bytes_per_gpu_block)
+            from offload_connector.sim.vllm_offloading import VllmOffloadingDriver, VllmOffloadingWorkerSim
             worker = VllmOffloadingWorkerSim(vc, self.sim.worker_kv_cache_config, latency_steps=1)
-            fake = TimedFakeOffloadingWorker(clock, _bytes_per_gpu_block(self.sim.worker_kv_cache_config))
+            fake = TimedFakeOffloadingWorker(clock, spec_bytes(self.block_bytes))
             worker.engine = fake
             worker.connector.connector_worker.worker = fake
             self.tally = fake.tally
             self.driver: Any = VllmOffloadingDriver(self.sched, worker)
         elif self.side is not None:
-            eng = TimedTagCopyEngine(clock, [g.block_bytes for g in self.side.groups])
+            eng = TimedTagCopyEngine(clock, self.block_bytes)
             self.tally = eng.tally
             self.driver = SchedulerDriver(self.sched, eng, check_loads=settings.check_loads)
         else:
@@ -122,11 +124,14 @@ class ReplayEngine:
         lookup, alloc = self.conn.get_num_new_matched_tokens, self.conn.update_state_after_alloc
         cpu_prefix = self._cpu_prefix_fn()
 
+        resident = self._resident_prefix_fn()
+
         def observed_lookup(request: Any, num_computed_tokens: int, *a: Any, **kw: Any) -> Any:
             res = lookup(request, num_computed_tokens, *a, **kw)
             if res[0] is None:
                 rec.deferrals += 1
-            rec.on_lookup(request, cpu_prefix(request, num_computed_tokens, res[0]))
+            if rec.wants_lookup(request.request_id):
+                rec.on_lookup(request, cpu_prefix(request, num_computed_tokens, res[0]), resident(request))
             return res
 
         def observed_alloc(request: Any, blocks: Any, num_external_tokens: int) -> Any:
@@ -143,6 +148,37 @@ class ReplayEngine:
             return lambda req, local, n: side._hit(req, req.num_tokens - 1)
         # vLLM's connector answers with its tier hit (None: a store still pending; keep the previous answer).
         return lambda req, local, n: None if n is None else local + n
+
+    def _resident_prefix_fn(self) -> Callable[[Any], int | None]:
+        """Longest prefix whose full-attention KV the CPU tier holds, whether or not the windows that sliding
+        groups need at that point are there too (so it may not be restorable)."""
+        side = self.side
+        if side is not None:
+            from offload_connector.scheduler.lookup import longest_hit
+
+            full = [g for g in side.groups if not g.recycling]
+            return lambda req: longest_hit(full, side._keys(req), side.tier.is_ready, req.num_tokens - 1, 1)
+        if self.kind != "vllm-offloading":
+            return lambda req: None
+        cs = self.conn.connector_scheduler
+        from vllm.v1.kv_offload.base import LookupResult
+
+        def resident(req: Any) -> int | None:
+            st = cs._req_status.get(req.request_id)  # read-only: lookup() on the CPU manager does not touch LRU
+            if st is None:
+                return None
+            best = None
+            for idx in cs._full_attention_groups:
+                gc, gs = cs.config.kv_group_configs[idx], st.group_states[idx]
+                n = 0
+                for key in gs.offload_keys:
+                    if cs.manager.lookup(key, st.req_context) is not LookupResult.HIT:
+                        break
+                    n += 1
+                best = n * gc.tokens_per_chunk if best is None else min(best, n * gc.tokens_per_chunk)
+            return None if best is None else min(best, req.num_tokens - 1)
+
+        return resident
 
     # ------------------------------------------------------------------ stepping
     def add(self, request: Any) -> None:

@@ -15,6 +15,30 @@ from offload_connector.sim.driver import TagCopyEngine
 from offload_connector.sim.vllm_offloading import FakeOffloadingWorker, _Job
 
 
+def block_id_bytes(worker_kv_cache_config: Any) -> list[int]:
+    """Bytes one GPU block id of each KV cache group spans, from the worker's (planned) config.
+
+    A packed group (`UniformTypeKVCacheSpecs`, DeepSeek V4) already reports the whole block id as its page; a
+    plain group's page is per layer. (Multiplying a packed page by the layer count would overstate DeepSeek V4's
+    transfers 20-62x.)
+    """
+    out = []
+    for g in worker_kv_cache_config.kv_cache_groups:
+        spec = g.kv_cache_spec
+        packed = type(spec).__name__ == "UniformTypeKVCacheSpecs"
+        out.append(spec.page_size_bytes if packed else spec.page_size_bytes * len(g.layer_names))
+    return out
+
+
+def spec_bytes(per_group: Sequence[int]) -> Callable[[Any], int]:
+    """Bytes a vLLM `GPULoadStoreSpec` moves (block ids per group, in group order)."""
+    def nbytes(spec: Any) -> int:
+        sizes = getattr(spec, "group_sizes", None) or [len(spec.block_ids)]
+        return int(sum(n * per_group[min(i, len(per_group) - 1)] for i, n in enumerate(sizes)))
+
+    return nbytes
+
+
 class TransferTally:
     def __init__(self) -> None:
         self.load_bytes = 0

@@ -9,8 +9,11 @@ Recompute accounting, per request (prompt length P):
   arrived (at vLLM's hash-block granularity), capped at P - 1 (the last prompt token is always computed);
 - `recomputed` = prompt tokens the model computed for it beyond the P - reusable it had to compute (preemptions
   included);
-- `recomputed_in_cpu` = of the reusable prefix, the part the connector's CPU tier held at its last lookup before
-  the request was first scheduled, minus what was loaded or hit locally: reuse the tier had but did not deliver.
+- `recomputed_in_cpu` = of the reusable prefix, the part whose full-attention KV the CPU tier held at the last
+  lookup before the request was first scheduled, minus what was loaded or hit locally: reuse that was offloaded
+  but not delivered. It counts a prefix even when the tier lacks the sliding windows needed to resume there;
+- `recomputed_restorable` = the same with the connector's own restorable hit (windows included) instead: what it
+  could have loaded but recomputed (deferral fallbacks, loads vLLM refused).
 """
 
 from __future__ import annotations
@@ -36,7 +39,8 @@ class _Req:
     arrival: float
     prompt: int
     reusable: int
-    cpu_prefix: int = 0
+    cpu_prefix: int = 0  # restorable by the connector
+    resident: int = 0  # full-attention KV in the tier
     first_hit: int | None = None  # tokens already computed (local hit + loaded) when first scheduled
     prefill_computed: int = 0
     first_token: float | None = None
@@ -60,6 +64,7 @@ class ConnectorResult:
     tokens_loaded_from_cpu: int
     tokens_recomputed: int
     recomputed_tokens_in_cpu: int
+    recomputed_restorable: int
     prompt_tokens_computed: int
     gpu_pool_util_mean: float
     gpu_pool_util_p95: float
@@ -108,10 +113,18 @@ class Recorder:
         reusable = min(n * self.hbs, request.num_prompt_tokens - 1)
         self.reqs[request.request_id] = _Req(t, request.num_prompt_tokens, reusable)
 
-    def on_lookup(self, request: Any, cpu_prefix: int | None) -> None:
+    def wants_lookup(self, request_id: str) -> bool:
+        r = self.reqs.get(request_id)
+        return r is not None and r.first_hit is None
+
+    def on_lookup(self, request: Any, cpu_prefix: int | None, resident: int | None) -> None:
         r = self.reqs.get(request.request_id)
-        if r is not None and r.first_hit is None and cpu_prefix is not None:
+        if r is None or r.first_hit is not None:
+            return
+        if cpu_prefix is not None:
             r.cpu_prefix = cpu_prefix
+        if resident is not None:
+            r.resident = resident
 
     def on_schedule(self, out: Any, requests: dict[str, Any]) -> tuple[int, int]:
         """Account one scheduled batch; returns (prompt tokens, decoding requests) for the step-time model."""
@@ -173,13 +186,14 @@ class Recorder:
     def summary(self) -> dict[str, Any]:
         done = [r for r in self.reqs.values() if r.finished is not None]
         ttft = [r.first_token - r.arrival for r in self.reqs.values() if r.first_token is not None]
-        recomputed = in_cpu = computed = 0
+        recomputed = in_cpu = restorable = computed = 0
         for r in self.reqs.values():
             computed += r.prefill_computed
             if r.first_hit is None:
                 continue
             recomputed += max(0, r.prefill_computed - (r.prompt - r.reusable))
-            in_cpu += max(0, min(r.cpu_prefix, r.reusable) - r.first_hit)
+            in_cpu += max(0, min(max(r.resident, r.cpu_prefix), r.reusable) - r.first_hit)
+            restorable += max(0, min(r.cpu_prefix, r.reusable) - r.first_hit)
         per_group = {name: {"mean": _mean(v), "p95": percentile(v, 95) or 0.0}
                      for name, v in zip(self.group_names, self.group_used)}
         return dict(
@@ -187,7 +201,7 @@ class Recorder:
             output_tokens=self.output_tokens,
             ttft_p50_s=percentile(ttft, 50), ttft_p95_s=percentile(ttft, 95),
             tokens_loaded_from_cpu=self.loaded_tokens, tokens_recomputed=recomputed,
-            recomputed_tokens_in_cpu=in_cpu, prompt_tokens_computed=computed,
+            recomputed_tokens_in_cpu=in_cpu, recomputed_restorable=restorable, prompt_tokens_computed=computed,
             gpu_pool_util_mean=_mean(self.used), gpu_pool_util_p95=percentile(self.used, 95) or 0.0,
             gpu_pool_util_per_group=per_group, admission_deferrals=self.deferrals)
 

@@ -36,6 +36,7 @@ ROWS: list[tuple[str, Callable[[ConnectorResult], Any], Callable[[Any], str]]] =
     ("tokens loaded from CPU", lambda r: r.tokens_loaded_from_cpu, _f(",")),
     ("tokens recomputed", lambda r: r.tokens_recomputed, _f(",")),
     ("  of which were in CPU tier", lambda r: r.recomputed_tokens_in_cpu, _f(",")),
+    ("  of which restorable", lambda r: r.recomputed_restorable, _f(",")),
     ("prompt tokens computed", lambda r: r.prompt_tokens_computed, _f(",")),
     ("GPU pool util mean", lambda r: r.gpu_pool_util_mean, _pct),
     ("GPU pool util p95", lambda r: r.gpu_pool_util_p95, _pct),
