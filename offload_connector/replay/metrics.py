@@ -76,7 +76,7 @@ class ConnectorResult:
     transfer_bytes_loaded: int
     transfer_bytes_stored: int
     stopped_reason: str
-    wall_seconds: float
+    wall_seconds: float  # the replay loop on this machine (scheduler build excluded)
     stall_dump: dict[str, Any] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 

@@ -39,14 +39,23 @@ def plot(out: Any, path: str | Path) -> Path:
             for ax in (ax_pool, ax_run, ax_wait):
                 ax.axvline(run.stall_time, color=color, ls="--", lw=1)
             ax_pool.plot([run.stall_time], [100 * s["used"][-1]], "x", color=color, ms=10, mew=2)
+    for t, name in getattr(out, "phase_marks", []):
+        for ax in (ax_pool, ax_run, ax_wait):
+            ax.axvline(t, color="0.6", ls=":", lw=0.8)
+        ax_pool.text(t, 101, name, fontsize=7, color="0.35", rotation=0, va="bottom", ha="left")
     ax_pool.set_ylabel("GPU pool used (%)")
-    ax_pool.set_ylim(0, 105)
+    ax_pool.set_ylim(0, 112)
+    from matplotlib.ticker import MaxNLocator
+
+    for ax in (ax_run, ax_wait):
+        ax.yaxis.set_major_locator(MaxNLocator(integer=True))
     ax_run.set_ylabel("running requests")
     ax_wait.set_ylabel("waiting requests")
     ax_wait.set_xlabel("simulated time (s)")
     cfg = out.config
     ax_pool.set_title(f"{out.workload} on {cfg.model}: {cfg.num_gpu_blocks:,} GPU blocks, "
-                      f"{cfg.cpu_bytes / 2**30:.0f} GiB CPU tier (x: stall; run stops)", fontsize=10)
+                      f"{cfg.cpu_bytes / 2**30:.0f} GiB CPU tier (x, dashed: stall, that run stops; dotted: phases)",
+                      fontsize=10)
     ax_pool.legend(loc="lower right", fontsize=8)
     for ax in (ax_pool, ax_run, ax_wait):
         ax.grid(alpha=0.3)

@@ -61,6 +61,7 @@ class ReplayOutput:
     requests: int
     clipped: int
     runs: list[RunOutput] = field(default_factory=list)
+    phase_marks: list[tuple[float, str]] = field(default_factory=list)  # (simulated s, phase) for the plots
 
     def to_json(self) -> dict[str, Any]:
         import vllm
@@ -81,10 +82,11 @@ def select(workload: Workload, cfg: ReplayConfig) -> list[TraceRecord]:
 
 def run_connector(kind: str, records: Sequence[TraceRecord], cfg: ReplayConfig,
                   progress: Progress | None = None) -> RunOutput:
-    wall0 = time.time()
     clock = SimClock(cfg.time_model)
+    # Building the scheduler is timed apart: the first build in a process also pays vLLM's model inspection.
     eng = ReplayEngine(kind, EngineSettings(cfg.model, cfg.num_gpu_blocks, cfg.cpu_bytes, cfg.max_num_batched_tokens,
                                             cfg.max_model_len, cfg.max_num_seqs, cfg.check_loads), clock)
+    wall0 = time.time()
     from offload_connector.sim.requests import make_request
 
     prompts = PromptBuilder(cfg.seed)
@@ -158,7 +160,20 @@ def _finish(kind: str, eng: ReplayEngine, clock: SimClock, total: int, stall_ste
 def run_replay(workload: Workload, cfg: ReplayConfig, progress: Progress | None = None) -> ReplayOutput:
     records = select(workload, cfg)
     clipped = sum(clip_to_model(r, cfg.max_model_len).clipped for r in records)
-    out = ReplayOutput(cfg, workload.name, len(records), clipped)
+    out = ReplayOutput(cfg, workload.name, len(records), clipped, phase_marks=phase_marks(records, cfg.time_scale))
     for kind in cfg.connectors:
         out.runs.append(run_connector(kind, records, cfg, progress))
     return out
+
+
+def phase_marks(records: Sequence[TraceRecord], time_scale: float) -> list[tuple[float, str]]:
+    """First arrival of each main phase of a built-in workload (warm-up, filler and background parts left out)."""
+    if not records:
+        return []
+    t0 = records[0].timestamp_ms
+    seen: dict[str, float] = {}
+    for r in records:
+        phase = r.get("phase")
+        if isinstance(phase, str) and phase not in seen and not phase.endswith(("-warm", "-filler", "-background")):
+            seen[phase] = (r.timestamp_ms - t0) * 1e-3 * time_scale
+    return [(t, name) for name, t in seen.items()]

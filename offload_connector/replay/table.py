@@ -30,7 +30,8 @@ ROWS: list[tuple[str, Callable[[ConnectorResult], Any], Callable[[Any], str]]] =
     ("requests completed/total", lambda r: f"{r.requests_completed}/{r.requests_total}", str),
     ("simulated seconds", lambda r: r.simulated_seconds, _f(",.1f")),
     ("steps", lambda r: r.steps, _f(",")),
-    ("output tokens / sim s", lambda r: r.output_tokens_per_s, _f(",.1f")),
+    ("output tokens / sim s", lambda r: (r.output_tokens_per_s, r.stalled),
+     lambda v: f"{v[0]:,.1f}" + (" (to stall)" if v[1] else "")),
     ("TTFT p50 (s)", lambda r: r.ttft_p50_s, _f(".3f")),
     ("TTFT p95 (s)", lambda r: r.ttft_p95_s, _f(".3f")),
     ("tokens loaded from CPU", lambda r: r.tokens_loaded_from_cpu, _f(",")),
@@ -45,7 +46,7 @@ ROWS: list[tuple[str, Callable[[ConnectorResult], Any], Callable[[Any], str]]] =
     ("CPU tier bytes / cached token", lambda r: r.cpu_tier_bytes_per_cached_token, _bytes),
     ("bytes loaded / stored", lambda r: f"{_bytes(r.transfer_bytes_loaded)} / {_bytes(r.transfer_bytes_stored)}",
      str),
-    ("wall seconds", lambda r: r.wall_seconds, _f(".1f")),
+    ("wall seconds (replay loop)", lambda r: r.wall_seconds, _f(".1f")),
 ]
 
 
