@@ -2,7 +2,9 @@
 
 Every example checks: the predicted per-group blocks of each admitted load equal what vLLM allocated; no step
 schedules zero tokens while requests wait and no transfer is in flight; the run drains and the pool returns to
-num_blocks - 1 free; loaded blocks hold the contents that were stored. Prints the counts, never a pass/fail timing.
+num_blocks - 1 free; loaded blocks hold the contents that were stored. Speculative decoding settings are drawn per
+example (0/1/2/4 drafts; CPU n-gram on a synchronous engine, GPU n-gram, a draft model or EAGLE under async
+scheduling); the counts are also broken down by setting. Prints the counts, never a pass/fail timing.
 
     .venv-vllm033/bin/python benchmarks/fuzz_ledger.py --examples 10000 --seed 0
 """
@@ -33,7 +35,9 @@ def main() -> int:
         tqdm = None
     rng = random.Random(args.seed)
     totals = {"examples": 0, "mismatches": 0, "stalls": 0, "idle_zero_token_steps": 0, "undrained": 0,
-              "errors": 0, "admitted_loads": 0, "loaded_tokens": 0}
+              "errors": 0, "admitted_loads": 0, "loaded_tokens": 0, "deferrals": 0, "too_big": 0,
+              "shortened_hits": 0, "drafts_scheduled": 0, "drafts_accepted": 0}
+    by_spec: dict[str, dict[str, int]] = {}
     failures = []
     start = time.time()
     it = range(args.examples)
@@ -41,10 +45,14 @@ def main() -> int:
     for i in bar:
         case = random_case(rng)
         totals["examples"] += 1
+        key = f"k={case.num_spec_tokens}" + (f" {case.spec_method}" if case.num_spec_tokens else "")
+        row = by_spec.setdefault(key, {"examples": 0, "admitted_loads": 0, "failed": 0})
+        row["examples"] += 1
         try:
             out = run_case(case)
         except Exception as exc:  # an exception is a finding, not a crash of the benchmark
             totals["errors"] += 1
+            row["failed"] += 1
             failures.append({"case": repr(case), "error": repr(exc)})
             continue
         totals["mismatches"] += len(out.mismatches)
@@ -53,7 +61,11 @@ def main() -> int:
         totals["undrained"] += out.undrained
         totals["admitted_loads"] += out.admissions
         totals["loaded_tokens"] += out.loaded_tokens
+        for name in ("deferrals", "too_big", "shortened_hits", "drafts_scheduled", "drafts_accepted"):
+            totals[name] += getattr(out, name)
+        row["admitted_loads"] += out.admissions
         if not out.ok:
+            row["failed"] += 1
             failures.append({"case": repr(case), "mismatches": out.mismatches[:3], "stalls": out.stalls,
                              "idle_zero_steps": out.idle_zero_steps, "undrained": out.undrained})
         if tqdm and i % 50 == 0:
@@ -62,6 +74,7 @@ def main() -> int:
     import vllm
     totals["vllm"] = vllm.__version__
     totals["seed"] = args.seed
+    totals["by_spec"] = dict(sorted(by_spec.items()))
     print(json.dumps(totals, indent=2))
     for f in failures[:10]:
         print("FAILURE", f)

@@ -2,7 +2,11 @@
 
 For every admitted load the predicted per-group blocks equal what vLLM allocates; no step schedules zero tokens
 while requests wait and no transfer is in flight; every run drains; loaded blocks hold the right contents; the pool
-returns to num_blocks - 1 free. `python benchmarks/fuzz_ledger.py --examples 10000` runs the same check at scale.
+returns to num_blocks - 1 free. Speculative decoding is part of the search: 0, 1, 2 or 4 drafts per step, proposed
+by CPU n-gram (synchronous engine, drafts fed after each step), GPU n-gram, a draft model or EAGLE (async
+scheduling, placeholder drafts; the last two also reserve lookahead slots, EAGLE drops the last block of local
+prefix hits), with a random number of drafts accepted. `python benchmarks/fuzz_ledger.py --examples 10000` runs the
+same check at scale.
 """
 
 import os
@@ -10,7 +14,7 @@ import os
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from offload_connector.sim.fuzz import FuzzCase, run_case
+from offload_connector.sim.fuzz import SPEC_TOKENS, FuzzCase, run_case, spec_methods_for
 
 KINDS = ["full", "mla", "sliding", "sliding_mla", "chunked"]
 
@@ -39,7 +43,9 @@ def cases(draw):
         groups=tuple(groups), max_num_batched_tokens=draw(st.sampled_from([64, 128, 256, 512])),
         pool_factor=draw(st.floats(1.05, 3.0)), sessions=tuple(sessions), reset_prefix_cache=draw(st.booleans()),
         return_gaps=tuple(draw(st.sampled_from([0, 0, 1, 3, 10])) for _ in sessions),
-        latency_steps=draw(st.integers(1, 4)), seed=draw(st.integers(0, 1 << 30)))
+        latency_steps=draw(st.integers(1, 4)), seed=draw(st.integers(0, 1 << 30)),
+        num_spec_tokens=draw(st.sampled_from(SPEC_TOKENS)),
+        spec_method=draw(st.sampled_from(spec_methods_for(groups))))
 
 
 @settings(max_examples=int(os.environ.get("OFFLOAD_PROPERTY_EXAMPLES", "60")), deadline=None,

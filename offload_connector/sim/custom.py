@@ -39,16 +39,63 @@ def make_spec(kind: str, block_size: int, extent: int) -> Any:
     raise ValueError(kind)
 
 
+# Speculative methods the simulation drives, and how a V1-runner deployment runs each: CPU n-gram cannot run under
+# async scheduling (vLLM turns it off: synchronous engine, drafts handed over by `update_draft_token_ids` after each
+# step); GPU n-gram, a draft model and EAGLE run under async scheduling (AsyncScheduler, placeholder drafts). A draft
+# model and EAGLE also reserve `num_speculative_tokens` lookahead slots past the scheduled tokens; EAGLE drops the last
+# block of every local prefix-cache hit and reads one prefill token ahead. vLLM refuses EAGLE next to chunked local
+# attention in a hybrid layout.
+SPEC_METHODS = {"ngram": False, "ngram_gpu": True, "draft_model": True, "eagle": True}  # method -> async scheduling
+
+
+def attach_speculative_config(vllm_config: Any, method: str, num_speculative_tokens: int) -> Any:
+    """Give `vllm_config` the SpeculativeConfig a deployment with `--speculative-config` would have.
+
+    Built offline (n-gram needs no draft model; the draft-model and EAGLE methods draft with the bundled tiny-llama
+    config, which only has to resolve: the simulated layout carries no draft layers).
+    The scheduler and the connector read it through VllmConfig's properties (`num_speculative_tokens`,
+    `num_lookahead_tokens`, `max_in_flight_tokens`), so attaching it before the Scheduler is built is enough.
+    """
+    from vllm.config import SpeculativeConfig
+
+    from offload_connector.sim.layouts import model_dir
+
+    if method not in SPEC_METHODS:
+        raise ValueError(f"speculative method {method!r} is not simulated; use one of {sorted(SPEC_METHODS)}")
+    kw: dict[str, Any] = dict(method=method, num_speculative_tokens=num_speculative_tokens,
+                              target_model_config=vllm_config.model_config,
+                              target_parallel_config=vllm_config.parallel_config)
+    if method in ("ngram", "ngram_gpu"):
+        kw.update(prompt_lookup_max=4, prompt_lookup_min=2)
+    else:
+        kw["model"] = model_dir("tiny-llama")
+    vllm_config.speculative_config = SpeculativeConfig(**kw)
+    assert vllm_config.num_speculative_tokens == num_speculative_tokens
+    return vllm_config.speculative_config
+
+
 def build_custom(groups: Sequence[GroupDesc], *, num_blocks: int, max_num_batched_tokens: int, max_model_len: int,
-                 kv_transfer_config: Any, scheduler_cls: type | None = None) -> tuple[Any, int]:
-    """A real scheduler over a hand-built layout. Returns (scheduler, hash_block_size)."""
+                 kv_transfer_config: Any, scheduler_cls: type | None = None, num_speculative_tokens: int = 0,
+                 spec_method: str = "ngram") -> tuple[Any, int]:
+    """A real scheduler over a hand-built layout. Returns (scheduler, hash_block_size).
+
+    Without speculative decoding: the plain `Scheduler` over an async-scheduling config (the driver keeps a 2-deep
+    batch queue). With `num_speculative_tokens` > 0: the engine vLLM would run for `spec_method` (see SPEC_METHODS):
+    `Scheduler` with async scheduling off for CPU n-gram, `AsyncScheduler` otherwise.
+    """
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
     from vllm.v1.core.sched.scheduler import Scheduler
     from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
     from vllm.v1.structured_output import StructuredOutputManager
 
+    async_scheduling = SPEC_METHODS[spec_method] if num_speculative_tokens else True
     vc = build_vllm_config("tiny-llama", max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens,
                            num_gpu_blocks=num_blocks, kv_transfer_config=kv_transfer_config,
-                           max_num_seqs=min(64, max_num_batched_tokens))
+                           max_num_seqs=min(64, max_num_batched_tokens), async_scheduling=async_scheduling)
+    if num_speculative_tokens:
+        attach_speculative_config(vc, spec_method, num_speculative_tokens)
+        if scheduler_cls is None:
+            scheduler_cls = AsyncScheduler if async_scheduling else Scheduler
     specs = [KVCacheGroupSpec([f"layers.{i}.attn"], make_spec(*g)) for i, g in enumerate(groups)]
     sizes = [g[1] for g in groups]
     sched_bs, hash_bs = math.lcm(*sizes), math.gcd(*sizes)

@@ -1,14 +1,19 @@
 """Drive vLLM's real `Scheduler` on CPU with a simulated model and a simulated copy engine for our connector.
 
-The model is simulated by handing the scheduler one sampled token per request whose prompt is done; the copy
-engine by moving *tags* instead of KV bytes: every GPU block a step computes gets the tag (group, block hash) of
-the tokens it holds, stores copy tags to host slots, loads copy them back, and when a load lands every block of
+The model is simulated by handing the scheduler one sampled token per request whose prompt is done (token 7), plus,
+under speculative decoding, a random number (0..scheduled) of its scheduled draft tokens accepted: vLLM rolls the
+rejected ones back out of `num_computed_tokens`, as it does for a real engine. Drafts reach the scheduler as they do
+from EngineCore: a synchronous engine hands them over with `update_draft_token_ids` after each step's output; under
+async scheduling `AsyncScheduler` schedules placeholder drafts itself and the worker fills them in. The copy engine
+is simulated by moving *tags* instead of KV bytes: every GPU block a step computes gets the tag (group, block hash)
+of the tokens it holds, stores copy tags to host slots, loads copy them back, and when a load lands every block of
 the request's restore range must carry the tag of its own tokens. That checks the load and store plans end to end
 without a GPU.
 """
 
 from __future__ import annotations
 
+import random
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Hashable, Iterable
@@ -119,14 +124,14 @@ class SchedulerDriver:
     """Steps a real vLLM scheduler; `engine` simulates our connector's worker (None for other connectors)."""
 
     def __init__(self, scheduler: Any, engine: TagCopyEngine | None = None, check_loads: bool = True,
-                 record: bool = False, batch_depth: int | None = None) -> None:
+                 record: bool = False, batch_depth: int | None = None, spec_seed: int = 0) -> None:
         self.sched = scheduler
         cfg = scheduler.vllm_config
         if batch_depth is None:
             # EngineCore keeps max_concurrent_batches batches in flight under async scheduling.
             batch_depth = getattr(cfg, "max_concurrent_batches", 1) if cfg.scheduler_config.async_scheduling else 1
         self.batch_depth = max(1, batch_depth)
-        self._queue: deque[tuple[Any, list[str], list[list[int]]]] = deque()
+        self._queue: deque[tuple[Any, list[str], list[list[int]], dict[str, Any]]] = deque()
         self.engine = engine
         self.check_loads = check_loads
         self.record = record
@@ -135,6 +140,16 @@ class SchedulerDriver:
         self.history: list[StepRecord] = []
         conn = scheduler.get_kv_connector()
         self.side = getattr(conn, "scheduler_side", None)
+        # Speculative decoding: how many drafts the proposer offers and the target accepts is random (seeded).
+        self.num_spec_tokens = int(getattr(scheduler, "num_spec_tokens", 0) or 0)
+        self._spec_rng = random.Random(spec_seed)
+        # Under async scheduling the scheduler schedules placeholder drafts itself (AsyncScheduler); a synchronous
+        # engine feeds the proposer's drafts after each step (EngineCore.post_step).
+        self.feeds_drafts = self.num_spec_tokens > 0 and not cfg.scheduler_config.async_scheduling
+        self.drafts_scheduled = 0
+        self.drafts_accepted = 0
+        self._tagged: dict[str, list[int]] = {}  # per request, per group: blocks [0, n) already tagged
+        self._settled: dict[str, int] = {}  # per request: tokens whose KV applied batches have computed
 
     # ------------------------------------------------------------------ helpers
     @property
@@ -156,12 +171,51 @@ class SchedulerDriver:
             after = req.num_computed_tokens  # schedule() already advanced it
             before = after - n
             keys = self.side._keys(req)
+            # A block whose KV was computed before its tokens were known (an accepted draft, or an async placeholder)
+            # gets its hash only later: tag from the first block not yet tagged, not only from this step's start.
+            marks = self._tagged.get(rid)
+            if marks is None:  # blocks below the first scheduled token came from a prefix hit or a load
+                marks = self._tagged[rid] = [before // g.block_size for g in self.side.groups]
             for g, mgr in zip(self.side.groups, self.managers()):
                 blocks = mgr.req_to_blocks.get(rid, [])
-                last = min(after, keys.hashed_tokens()) // g.block_size
-                for i in range(before // g.block_size, min(last, len(blocks))):
+                last = min(min(after, keys.hashed_tokens()) // g.block_size, len(blocks))
+                for i in range(min(before // g.block_size, marks[g.index]), last):
                     if not blocks[i].is_null:
                         self.engine.gpu[blocks[i].block_id] = keys(g.index, i)
+                marks[g.index] = last
+
+    def _write_settled_tags(self, out: Any, reqs: dict[str, Any], live: set[str]) -> None:
+        """Tag blocks whose KV an applied batch computed before their tokens were known.
+
+        Under async scheduling a block's last positions can be computed (as placeholders or accepted drafts) before
+        its tokens, and so its hash, exist; the request may finish without being scheduled again, and its stores
+        read that block. Once the batch's output is applied the hash exists: tag every block the settled tokens
+        cover. For a request vLLM still tracks that is computed minus still in flight (rejected drafts rolled
+        back). A request that finished while this batch was in flight is skipped by vLLM, but the batch still ran
+        its rows on the GPU, at the positions the worker corrected for earlier rejections: its first row (the last
+        sampled token) is valid KV, its drafts are not. Freed blocks are not touched.
+        """
+        if self.engine is None or self.side is None:
+            return
+        managers = self.managers()
+        spec = getattr(out, "scheduled_spec_decode_tokens", None) or {}
+        for rid, req in reqs.items():
+            marks = self._tagged.get(rid)
+            if marks is None:
+                continue
+            if rid in live:
+                settled = max(0, req.num_computed_tokens - getattr(req, "num_in_flight_tokens", 0))
+            else:
+                settled = self._settled.get(rid, 0) + out.num_scheduled_tokens[rid] - len(spec.get(rid, ()))
+            self._settled[rid] = settled
+            keys = self.side._keys(req)
+            for g, mgr in zip(self.side.groups, managers):
+                blocks = mgr.req_to_blocks.get(rid, [])
+                last = min(min(settled, keys.hashed_tokens()) // g.block_size, len(blocks))
+                for i in range(marks[g.index], last):
+                    if not blocks[i].is_null:
+                        self.engine.gpu[blocks[i].block_id] = keys(g.index, i)
+                marks[g.index] = max(marks[g.index], last)
 
     def _verify_loaded(self, rids: set[str]) -> None:
         if not (self.check_loads and self.engine is not None and self.side is not None):
@@ -191,9 +245,17 @@ class SchedulerDriver:
         self._write_computed_tags(out)
         req_ids = list(out.num_scheduled_tokens)
         sampled = []
+        spec = getattr(out, "scheduled_spec_decode_tokens", None) or {}
         for rid in req_ids:
             req = self.sched.requests[rid]
-            sampled.append([7] if req.num_computed_tokens >= req.num_tokens else [])
+            if req.num_computed_tokens < req.num_tokens:
+                sampled.append([])  # a prefill chunk short of the prompt's end samples nothing
+                continue
+            drafts = len(spec.get(rid, ()))
+            accepted = self._spec_rng.randint(0, drafts) if drafts else 0
+            self.drafts_scheduled += drafts
+            self.drafts_accepted += accepted
+            sampled.append([7] * (1 + accepted))  # accepted drafts, then the bonus token
         # Whether a transfer was in flight during this step (measured before this step's completions land). A load
         # whose completion vLLM was told about but has not processed (its queue scan broke before reaching it) is
         # not in flight, so a wedged scheduler reads as idle. Blocks of finished requests that wait only for their
@@ -203,7 +265,7 @@ class SchedulerDriver:
         in_flight = (self.engine is not None and self.engine.pending()) or any(
             r.status.name == "WAITING_FOR_REMOTE_KVS" and r.request_id not in landed
             for r in self.sched.requests.values()) or (conn is not None and conn.has_pending_push_work())
-        self._queue.append((out, req_ids, sampled))
+        self._queue.append((out, req_ids, sampled, {rid: self.sched.requests[rid] for rid in req_ids}))
         in_flight = in_flight or len(self._queue) > 1  # an earlier batch was still executing during this one
         # A full queue waits for its oldest batch; an empty step has nothing to overlap, so everything lands.
         while self._queue and (len(self._queue) >= self.batch_depth or out.total_num_scheduled_tokens == 0):
@@ -218,7 +280,7 @@ class SchedulerDriver:
     def _apply_oldest(self) -> None:
         from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
 
-        out, req_ids, sampled = self._queue.popleft()
+        out, req_ids, sampled, reqs = self._queue.popleft()
         kv_out = None
         recving: set[str] = set()
         if self.engine is not None:
@@ -227,12 +289,34 @@ class SchedulerDriver:
                                        kv_connector_worker_meta=wmeta)
         mro = ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
                                 sampled_token_ids=sampled, kv_connector_output=kv_out)
+        live = {rid for rid, req in reqs.items() if not req.is_finished()}
         engine_outputs = self.sched.update_from_output(out, mro)
+        self._write_settled_tags(out, reqs, live)
         for eco in engine_outputs.values():
             for o in eco.outputs:
                 if o.finish_reason is not None:
                     self.finished.add(o.request_id)
+        pending = {rid for queued in self._queue for rid in queued[1]}
+        for rid, req in reqs.items():
+            if req.is_finished() and rid not in pending:
+                self._tagged.pop(rid, None)
+                self._settled.pop(rid, None)
         self._verify_loaded(recving)
+        if self.feeds_drafts and req_ids:
+            self._propose_drafts(req_ids)
+
+    def _propose_drafts(self, req_ids: list[str]) -> None:
+        """What a synchronous EngineCore does after each step: hand the proposer's drafts to the scheduler.
+
+        The n-gram proposer offers up to `num_speculative_tokens` drafts per request of the batch (none when it finds
+        no match); the scheduler ignores drafts for requests still in a prefill chunk. Every token is 7, like the
+        simulated model's samples, so accepted drafts leave the same history a plain decode would.
+        """
+        from vllm.v1.outputs import DraftTokenIds
+
+        k = self.num_spec_tokens
+        drafts = [[7] * self._spec_rng.choice((0, k, k, self._spec_rng.randint(0, k))) for _ in req_ids]
+        self.sched.update_draft_token_ids(DraftTokenIds(req_ids=list(req_ids), draft_token_ids=drafts))
 
     def run(self, max_steps: int = 100_000, stall_steps: int = 50,
             until: Callable[["SchedulerDriver"], bool] | None = None) -> DriveResult:

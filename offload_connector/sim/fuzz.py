@@ -22,6 +22,8 @@ class FuzzCase:
     return_gaps: tuple[int, ...]  # steps between returning arrivals
     latency_steps: int
     seed: int
+    num_spec_tokens: int = 0  # speculative decoding: drafts per step (0: off)
+    spec_method: str = "ngram"  # see custom.SPEC_METHODS: ngram (sync engine), ngram_gpu, draft_model, eagle (async)
 
 
 @dataclass
@@ -32,6 +34,11 @@ class FuzzOutcome:
     undrained: int = 0
     admissions: int = 0
     loaded_tokens: int = 0
+    drafts_scheduled: int = 0
+    drafts_accepted: int = 0
+    deferrals: int = 0
+    too_big: int = 0  # hits that could not fit even in an idle pool (then shortened or recomputed)
+    shortened_hits: int = 0
 
     @property
     def ok(self) -> bool:
@@ -39,6 +46,21 @@ class FuzzOutcome:
 
 
 MAX_MODEL_LEN = 8192
+SPEC_TOKENS = (0, 1, 2, 4)
+SPEC_METHODS = ("ngram", "ngram_gpu", "draft_model", "eagle")
+
+
+def spec_methods_for(groups) -> tuple[str, ...]:
+    """vLLM refuses EAGLE with chunked local attention in a hybrid layout."""
+    if any(kind == "chunked" for kind, _, _ in groups):
+        return tuple(m for m in SPEC_METHODS if m != "eagle")
+    return SPEC_METHODS
+
+
+def lookahead_tokens(case: FuzzCase) -> int:
+    """KV slots vLLM reserves past the scheduled tokens (`VllmConfig.num_lookahead_tokens`): k for a drafter with its
+    own forward pass (draft model, EAGLE), none for n-gram."""
+    return case.num_spec_tokens if case.spec_method in ("draft_model", "eagle") else 0
 
 
 def random_case(rng: random.Random) -> FuzzCase:
@@ -69,11 +91,14 @@ def random_case(rng: random.Random) -> FuzzCase:
         groups=tuple(groups), max_num_batched_tokens=rng.choice([64, 128, 256, 512]),
         pool_factor=rng.uniform(1.05, 3.0), sessions=tuple(sessions), reset_prefix_cache=rng.random() < 0.7,
         return_gaps=tuple(rng.choice([0, 0, 1, 3, 10]) for _ in sessions), latency_steps=rng.randint(1, 4),
-        seed=rng.randrange(1 << 30))
+        seed=rng.randrange(1 << 30), num_spec_tokens=rng.choice(SPEC_TOKENS),
+        spec_method=rng.choice(spec_methods_for(groups)))
 
 
 def _cold_need(case: FuzzCase, length: int, in_flight: int) -> int:
     total = 0
+    # The first decode step takes 1 + k slots (+ lookahead) past the prompt.
+    length += case.num_spec_tokens + lookahead_tokens(case)
     for kind, bs, extent in case.groups:
         blocks = cdiv(length + 1, bs)
         if kind in ("sliding", "sliding_mla"):
@@ -90,8 +115,9 @@ def run_case(case: FuzzCase, max_steps: int = 20_000) -> FuzzOutcome:
     num_blocks = int(_cold_need(case, longest, 2 * case.max_num_batched_tokens) * case.pool_factor) + 2
     sched, hash_bs = build_custom(case.groups, num_blocks=num_blocks,
                                   max_num_batched_tokens=case.max_num_batched_tokens, max_model_len=MAX_MODEL_LEN,
-                                  kv_transfer_config=connector_config("exact", 1 << 40))
-    drv = SchedulerDriver(sched, TagCopyEngine(case.latency_steps))
+                                  kv_transfer_config=connector_config("exact", 1 << 40),
+                                  num_speculative_tokens=case.num_spec_tokens, spec_method=case.spec_method)
+    drv = SchedulerDriver(sched, TagCopyEngine(case.latency_steps), spec_seed=case.seed)
     base = [tokens(case.seed + s, first) for s, (first, _, _, _) in enumerate(case.sessions)]
     drv.add([make_request(f"w{s}", base[s], mt, hash_bs) for s, (_, mt, _, _) in enumerate(case.sessions)])
     try:
@@ -133,6 +159,11 @@ def run_case(case: FuzzCase, max_steps: int = 20_000) -> FuzzOutcome:
             outcome.mismatches.append(f"{adm.request_id}: per-group entries/live {adm.entries_after}/"
                                       f"{adm.live_after}, predicted {adm.plan.entries}/{adm.plan.live}")
     outcome.loaded_tokens = side.counters.loaded_tokens
+    outcome.deferrals = side.counters.deferrals
+    outcome.too_big = side.counters.too_big
+    outcome.shortened_hits = side.counters.shortened_hits
+    outcome.drafts_scheduled = drv.drafts_scheduled
+    outcome.drafts_accepted = drv.drafts_accepted
     if not drv.idle_invariant():
         outcome.undrained += 1
     return outcome
