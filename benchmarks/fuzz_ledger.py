@@ -36,7 +36,7 @@ def main() -> int:
     rng = random.Random(args.seed)
     totals = {"examples": 0, "mismatches": 0, "stalls": 0, "idle_zero_token_steps": 0, "undrained": 0,
               "errors": 0, "admitted_loads": 0, "loaded_tokens": 0, "deferrals": 0, "too_big": 0,
-              "shortened_hits": 0, "drafts_scheduled": 0, "drafts_accepted": 0}
+              "drafts_scheduled": 0, "drafts_accepted": 0}
     by_spec: dict[str, dict[str, int]] = {}
     failures = []
     start = time.time()
@@ -61,7 +61,7 @@ def main() -> int:
         totals["undrained"] += out.undrained
         totals["admitted_loads"] += out.admissions
         totals["loaded_tokens"] += out.loaded_tokens
-        for name in ("deferrals", "too_big", "shortened_hits", "drafts_scheduled", "drafts_accepted"):
+        for name in ("deferrals", "too_big", "drafts_scheduled", "drafts_accepted"):
             totals[name] += getattr(out, name)
         row["admitted_loads"] += out.admissions
         if not out.ok:

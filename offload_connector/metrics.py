@@ -41,7 +41,7 @@ Deferral reasons (a closed set, so the `reason` label stays bounded; add a reaso
 | reason | counted | meaning |
 |---|---|---|
 | `pool_full` | every step a load is held back | the load does not fit next to in-flight loads now; `(None, False)` |
-| `too_big` | every shortening | the hit could not fit even in an idle pool; a shorter hit was tried |
+| `too_big` | once per request | the request's blocks could not fit even in an idle pool; recomputed instead |
 | `aged_out` | once per request | deferred `max_deferral_steps`; the prefix is recomputed |
 
 Tensor/pipeline parallelism: every rank copies its own shard, so every rank records bytes and time (bytes add up to

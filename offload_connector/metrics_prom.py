@@ -35,7 +35,7 @@ _COUNTERS: dict[str, tuple[str, str]] = {
 }
 _DEFERRALS = ("deferrals_total", (
     "Load decisions other than admitting the full hit now, by reason: pool_full (held back this step, does not fit "
-    "next to in-flight loads), too_big (shortened: could not fit even in an idle pool), aged_out (deferred too "
+    "next to in-flight loads), too_big (recomputed: could not fit even in an idle pool), aged_out (deferred too "
     "long; the prefix is recomputed)."))
 _GAUGES: dict[str, tuple[str, str]] = {
     m.TIER_USED: ("cpu_tier_used_blocks", "CPU-tier slots in use (one KV block of one group each)."),

@@ -62,7 +62,6 @@ class SchedulerCounters:
     deferrals: int = 0
     deferral_timeouts: int = 0
     too_big: int = 0
-    shortened_hits: int = 0
     stores: int = 0
     stored_blocks: int = 0
     load_failures: int = 0
@@ -158,38 +157,33 @@ class OffloadScheduler:
     def _admit(self, request: Any, state: _ReqState, local: int, hit: int) -> tuple[int | None, bool]:
         assert self._managers is not None, "bind_kv_cache_manager was not called"
         local_blocks = self._local_blocks(request, local)
-        reserved = self._reserved_by_others(request.request_id)
-        free = self._pool.get_num_free_blocks()
-        usable = self.num_blocks - 1
-        shortened = False
-        while hit - local >= self.config.min_load_tokens:
-            plan = self.plan_load(request, hit, local_blocks)
-            verdict = ledger.decide(plan, free, self._watermark, reserved, usable)
-            if verdict is ledger.Verdict.ADMIT:
-                state.deferred_since = None
-                state.offered_hit = hit
-                self.admissions.append(_Admission(request.request_id, self._step, plan, free))
-                if shortened:
-                    self.counters.shortened_hits += 1
-                return hit - local, True
-            if verdict is ledger.Verdict.DEFER:
-                if state.deferred_since is None:
-                    state.deferred_since = self._step
-                if self._step - state.deferred_since >= self.config.max_deferral_steps:
-                    self.counters.deferral_timeouts += 1
-                    self.stats.record_deferral("aged_out")
-                    logger.warning("offload_connector: load of %d tokens for %s deferred %d steps; recomputing",
-                                   hit - local, request.request_id, self._step - state.deferred_since)
-                    state.no_load = True
-                    return 0, False
-                self.counters.deferrals += 1
-                self.stats.record_deferral("pool_full")
-                return None, False
-            # TOO_BIG: this hit cannot fit even in an idle pool; a shorter one might.
-            self.counters.too_big += 1
-            self.stats.record_deferral("too_big")
-            shortened = True
-            hit = self._hit(request, hit - self.alignment)
+        plan = self.plan_load(request, hit, local_blocks)
+        verdict = ledger.decide(plan, self._pool.get_num_free_blocks(), self._watermark,
+                                self._reserved_by_others(request.request_id), self.num_blocks - 1)
+        if verdict is ledger.Verdict.ADMIT:
+            state.deferred_since = None
+            state.offered_hit = hit
+            self.admissions.append(_Admission(request.request_id, self._step, plan, self._pool.get_num_free_blocks()))
+            return hit - local, True
+        if verdict is ledger.Verdict.DEFER:
+            if state.deferred_since is None:
+                state.deferred_since = self._step
+            if self._step - state.deferred_since >= self.config.max_deferral_steps:
+                self.counters.deferral_timeouts += 1
+                self.stats.record_deferral("aged_out")
+                logger.warning("offload_connector: load of %d tokens for %s deferred %d steps; recomputing",
+                               hit - local, request.request_id, self._step - state.deferred_since)
+                state.no_load = True
+                return 0, False
+            self.counters.deferrals += 1
+            self.stats.record_deferral("pool_full")
+            return None, False
+        # TOO_BIG: the request's blocks through its prompt do not fit even an idle pool. A shorter hit would not
+        # help: a load's total (now + remaining) is the request's need at its target minus the local blocks it
+        # shares, whatever the hit length. Recompute: vLLM's chunked prefill recycles window blocks as it goes,
+        # which a load admitted whole cannot.
+        self.counters.too_big += 1
+        self.stats.record_deferral("too_big")
         state.no_load = True
         return 0, False
 

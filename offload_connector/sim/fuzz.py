@@ -37,8 +37,7 @@ class FuzzOutcome:
     drafts_scheduled: int = 0
     drafts_accepted: int = 0
     deferrals: int = 0
-    too_big: int = 0  # hits that could not fit even in an idle pool (then shortened or recomputed)
-    shortened_hits: int = 0
+    too_big: int = 0  # hits that could not fit even in an idle pool (recomputed)
 
     @property
     def ok(self) -> bool:
@@ -161,7 +160,6 @@ def run_case(case: FuzzCase, max_steps: int = 20_000) -> FuzzOutcome:
     outcome.loaded_tokens = side.counters.loaded_tokens
     outcome.deferrals = side.counters.deferrals
     outcome.too_big = side.counters.too_big
-    outcome.shortened_hits = side.counters.shortened_hits
     outcome.drafts_scheduled = drv.drafts_scheduled
     outcome.drafts_accepted = drv.drafts_accepted
     if not drv.idle_invariant():
