@@ -36,6 +36,11 @@ class Completion:
         if self._event is not None:
             self._event.synchronize()
 
+    def order_before(self, stream: "torch.cuda.Stream | None") -> None:
+        """Make work queued on `stream` from now on start only after the copy has landed (no host wait)."""
+        if self._event is not None and stream is not None:
+            stream.wait_event(self._event)
+
 
 @dataclass(frozen=True)
 class TensorLayout:

@@ -33,11 +33,16 @@ class OffloadConfig:
     # The stall watchdog fires after this many consecutive steps that schedule no token while requests wait and no
     # transfer is in flight: it logs the ledger and who holds the pool once, and raises a metric.
     stall_watchdog_steps: int = 100
+    # A load not landed after this many seconds is reported failed (vLLM's kv_load_failure_policy decides between
+    # recomputing and failing the request); 0 disables the deadline.
+    load_timeout_s: float = 60.0
     # How the worker moves bytes; "auto" measures the candidates at start-up on a GPU.
     transfer_backend: str = "auto"
     # Fault injection for tests: overwrite the first block of every load after it lands, so that output
     # comparisons can be shown to fail. Never set this in production.
     debug_corrupt_load: bool = False
+    # Fault injection for tests: report every load as failed without copying.
+    debug_fail_load: bool = False
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> "OffloadConfig":
@@ -68,6 +73,10 @@ class OffloadConfig:
             values["stall_watchdog_steps"] = _positive_int("stall_watchdog_steps", extra.pop("stall_watchdog_steps"))
         if "transfer_backend" in extra:
             values["transfer_backend"] = _choice("transfer_backend", extra.pop("transfer_backend"), TRANSFER_BACKENDS)
+        if "load_timeout_s" in extra:
+            values["load_timeout_s"] = _non_negative_float("load_timeout_s", extra.pop("load_timeout_s"))
+        if "debug_fail_load" in extra:
+            values["debug_fail_load"] = _bool("debug_fail_load", extra.pop("debug_fail_load"))
         if "debug_corrupt_load" in extra:
             values["debug_corrupt_load"] = _bool("debug_corrupt_load", extra.pop("debug_corrupt_load"))
         return cls(**values)
@@ -99,6 +108,13 @@ def _positive_int(key: str, value: Any, allow_suffix: bool = False) -> int:
         hint = ' (an integer, or a string such as "64g" or "512Mi")' if allow_suffix else " (an integer)"
         raise ConfigError(f"kv_connector_extra_config: '{key}' must be a positive integer{hint}; got {value!r}")
     return parsed
+
+
+def _non_negative_float(key: str, value: Any) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0 or value == float("inf"):
+        raise ConfigError(f"kv_connector_extra_config: '{key}' must be a number of seconds >= 0 (0 disables it); "
+                          f"got {value!r}")
+    return float(value)
 
 
 def _bool(key: str, value: Any) -> bool:

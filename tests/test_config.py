@@ -25,6 +25,9 @@ def test_defaults_and_suffixes():
      "'transfer_backend' must be one of ['auto', 'reference', 'kernel', 'batch', 'per_page']"),
     ({"cpu_bytes": 10, "debug_corrupt_load": "yes"}, "'debug_corrupt_load' must be true or false"),
     ({"cpu_bytes": 10, "stall_watchdog_steps": -1}, "'stall_watchdog_steps' must be a positive integer"),
+    ({"cpu_bytes": 10, "load_timeout_s": -1}, "'load_timeout_s' must be a number of seconds >= 0"),
+    ({"cpu_bytes": 10, "load_timeout_s": "5s"}, "'load_timeout_s' must be a number of seconds >= 0"),
+    ({"cpu_bytes": 10, "debug_fail_load": 1}, "'debug_fail_load' must be true or false"),
 ])
 def test_bad_config_names_key_and_accepted_values(extra, needle):
     with pytest.raises(ConfigError) as err:

@@ -172,6 +172,21 @@ def test_debug_corrupt_load_key_changes_the_output(model_dir: str, baseline: dic
     assert _out(res, "warm")["token_ids"] == _out(baseline, "warm")["token_ids"]
 
 
+def test_failed_loads_are_recomputed_and_outputs_stay_correct(model_dir: str, baseline: dict) -> None:
+    """Every load fails (`debug_fail_load`); with `kv_load_failure_policy: recompute` vLLM recomputes the prefix and
+    the output is still the reference, and the failure is counted."""
+    kv = connector_config(cpu_bytes="256Mi", debug_fail_load=True)
+    kv["kv_load_failure_policy"] = "recompute"
+    script = _reload_script(model_dir, kv)
+    script["actions"] = script["actions"][:4]  # up to and including the reload
+    res = run_engine(script, timeout=420)
+    got = _out(res, "reload")
+    assert got["external_tokens"] == PREFIX, got  # the load was admitted, then failed
+    assert got["token_ids"] == _out(baseline, "reload")["token_ids"]
+    assert _action(res, "reload")["metrics"].get("vllm:offload_connector_load_failures", 0) >= 1
+    assert res["snapshot"] is None or not res["snapshot"].get("rows"), res["snapshot"]
+
+
 # --------------------------------------------------------------------------------------------------- the stall
 def _stall_script(model_dir: str, reservation: str) -> dict:
     prompts = [_prompt(100 + s, STALL_PROMPT) for s in range(2)]

@@ -161,3 +161,63 @@ def test_host_tier_has_as_many_slots_as_the_scheduler_side_assumes():
     worker = make_worker(config, caches, 10 * 2 * PAGE + 5)
     assert worker.host_tier.tensor.shape[0] == 10
     assert np.prod(worker.host_tier.tensor.shape) == 10 * 2 * PAGE
+
+
+class _StuckCompletion:
+    """A copy that has not landed (a hung transfer) until `land()`."""
+
+    def __init__(self):
+        self.landed = False
+        self.ordered = []
+
+    def query(self):
+        return self.landed
+
+    def wait(self):
+        self.landed = True
+
+    def order_before(self, stream):
+        self.ordered.append(stream)
+
+
+class _StuckCopier:
+    name = "stuck"
+
+    def __init__(self):
+        self.completions = []
+
+    def copy(self, direction, ids, stream=None):
+        self.completions.append(_StuckCompletion())
+        return self.completions[-1]
+
+
+def test_load_past_its_deadline_is_reported_failed_and_later_work_waits_for_it():
+    import time
+
+    config, caches, _ = aliased_gemma_like()
+    worker = make_worker(config, caches, 8 * 2 * PAGE, load_timeout_s=0.05)
+    copier = _StuckCopier()
+    worker.engine._copier = copier
+    worker.start(OffloadMetadata(step=1, loads=(job(1, "slow", [(2, 9, 0)]),)))
+    assert worker.transfer_results() == (set(), set(), set())  # in flight, not late yet
+    time.sleep(0.1)
+    _, recving, failed = worker.transfer_results()
+    assert recving == {"slow"} and failed == {"slow"}
+    assert worker.engine.timeouts == 1 and worker.engine.pending() == 1  # the copy itself is still running
+    # A later store is ordered after the stuck copy instead of racing with it.
+    worker.start(OffloadMetadata(step=2, stores=(job(2, "other", [(0, 3, 1)]),)))
+    assert copier.completions[0].ordered
+    copier.completions[0].landed = copier.completions[1].landed = True
+    worker.transfer_results()
+    assert worker.engine.pending() == 0
+    assert worker.take_stats().data["counters"]["load_failures"] == 1
+
+
+def test_debug_fail_load_reports_failure_without_touching_the_cache():
+    config, caches, regions = aliased_gemma_like()
+    worker = make_worker(config, caches, 8 * 2 * PAGE, debug_fail_load=True)
+    before = regions.clone()
+    worker.start(OffloadMetadata(step=1, loads=(job(1, "x", [(0, 4, 0)]),)))
+    _, recving, failed = worker.transfer_results()
+    assert recving == failed == {"x"}
+    assert torch.equal(regions, before)

@@ -43,6 +43,9 @@ class OffloadWorker:
         self._failed_recving: set[str] = set()
         self._stores_done: list[int] = []
         self._stores_failed: list[int] = []
+        if config.debug_fail_load:
+            logger.warning("offload_connector: debug_fail_load is on: every load is reported failed without copying "
+                           "(fault injection for tests)")
         if config.debug_corrupt_load:
             logger.warning("offload_connector: debug_corrupt_load is on: every loaded prefix is deliberately "
                            "corrupted (fault injection for tests)")
@@ -64,7 +67,9 @@ class OffloadWorker:
         self.backend = getattr(copier, "name", type(copier).__name__)
         self.layout, self._device_views = layout, views
         self.engine = TransferEngine(copier, len(layout.group_bytes), layout.group_bytes, device,
-                                     on_load_landed=self._corrupt if self.config.debug_corrupt_load else None)
+                                     on_load_landed=self._corrupt if self.config.debug_corrupt_load else None,
+                                     load_timeout_s=self.config.load_timeout_s,
+                                     fail_loads=self.config.debug_fail_load)
         self._count_blocks = counts_blocks_here()
         logger.info("offload_connector: %d KV pages over %d groups, host tier %d slots x %d bytes (%s), backend %s",
                     len(layout.pages), len(layout.segments), num_slots, layout.slot_bytes,
@@ -73,8 +78,10 @@ class OffloadWorker:
     # -------------------------------------------------------------- per step
     def fence(self, meta: OffloadMetadata) -> None:
         """Before the forward pass: finish reading blocks this step's forward overwrites."""
-        if self.engine is not None and meta.store_fences and self._fenced_step != meta.step:
-            self.engine.wait_for_jobs(meta.store_fences)
+        if self.engine is not None and self._fenced_step != meta.step:
+            if meta.store_fences:
+                self.engine.wait_for_jobs(meta.store_fences)
+            self.engine.order_compute_after_zombies()
         self._fenced_step = meta.step
 
     def start(self, meta: OffloadMetadata) -> None:

@@ -6,6 +6,10 @@ step's forward pass writes. On the CPU backend copies are synchronous and both "
 
 A GPU block being read by an unfinished store must not be overwritten: a load into it waits for that store, and
 the scheduler fences stores whose source blocks the next forward pass reuses (`wait_for_jobs`).
+
+A load that has not landed by its deadline is reported failed, so vLLM recomputes (or fails) the request instead
+of waiting forever. Its copy cannot be cancelled, though, and still writes into blocks vLLM will hand out again: until
+it lands it stays a "zombie", and every later copy and forward pass is ordered after it on the GPU.
 """
 
 from __future__ import annotations
@@ -46,13 +50,18 @@ class JobResult:
 
 class TransferEngine:
     def __init__(self, copier: Any, num_groups: int, group_bytes: Sequence[int], device: torch.device,
-                 on_load_landed: Callable[[TransferJob], None] | None = None) -> None:
+                 on_load_landed: Callable[[TransferJob], None] | None = None, load_timeout_s: float = 0.0,
+                 fail_loads: bool = False) -> None:
         self._copier = copier
         self._num_groups = num_groups
         self._group_bytes = list(group_bytes)
         self._device = device
         self._on_load_landed = on_load_landed
         self._jobs: dict[int, _InFlight] = {}
+        self._zombies: dict[int, _InFlight] = {}  # timed-out loads whose copies have not landed yet
+        self._load_timeout_s = load_timeout_s
+        self._fail_loads = fail_loads
+        self.timeouts = 0
         self._readers: dict[int, set[int]] = {}  # GPU block -> unfinished store jobs reading it
         self.load_stream: Any = None
         self.store_stream: Any = None
@@ -78,6 +87,7 @@ class TransferEngine:
 
     def submit_store(self, job: TransferJob) -> None:
         started = time.perf_counter()
+        self._after_zombies(self.store_stream)
         try:
             if self.store_stream is not None:
                 self.store_stream.wait_stream(torch.cuda.current_stream(self._device))
@@ -95,6 +105,10 @@ class TransferEngine:
         # request) must keep their old bytes until that store has them.
         self.wait_for_jobs({j for bid in job.gpu_blocks for j in self._readers.get(bid, ())})
         started = time.perf_counter()
+        if self._fail_loads:
+            self._jobs[job.job_id] = _InFlight("load", job, None, started, 0, "injected failure (debug_fail_load)")
+            return
+        self._after_zombies(self.load_stream)
         try:
             if self.load_stream is not None:
                 # The scheduler may have zeroed or written these blocks on the compute stream this step.
@@ -107,6 +121,15 @@ class TransferEngine:
         self._jobs[job.job_id] = _InFlight("load", job, completion, started, self._nbytes(job))
 
     # ---------------------------------------------------------------- complete
+    def _after_zombies(self, stream: Any) -> None:
+        for flight in self._zombies.values():
+            flight.completion.order_before(stream)
+
+    def order_compute_after_zombies(self) -> None:
+        """Before a forward pass: it may write blocks a timed-out load is still copying into."""
+        if self._zombies and self._device.type == "cuda":
+            self._after_zombies(torch.cuda.current_stream(self._device))
+
     def wait_for_jobs(self, job_ids: set[int] | Sequence[int]) -> None:
         for job_id in job_ids:
             flight = self._jobs.get(job_id)
@@ -116,8 +139,20 @@ class TransferEngine:
     def poll(self) -> list[JobResult]:
         """Jobs whose copies have landed (or failed) since the last poll, in submission order."""
         done: list[JobResult] = []
+        now = time.perf_counter()
+        for job_id, flight in list(self._zombies.items()):
+            if flight.completion.query():
+                del self._zombies[job_id]
         for job_id, flight in list(self._jobs.items()):
             if flight.completion is not None and not flight.completion.query():
+                if (flight.kind == "load" and self._load_timeout_s > 0
+                        and now - flight.started > self._load_timeout_s):
+                    del self._jobs[job_id]
+                    self._zombies[job_id] = flight
+                    self.timeouts += 1
+                    logger.warning("offload_connector: load job %d for %s not done after %.1f s; reporting it failed",
+                                   job_id, flight.job.request_id, now - flight.started)
+                    done.append(JobResult("load", flight.job, False, now - flight.started, 0))
                 continue
             del self._jobs[job_id]
             ok = flight.completion is not None
@@ -135,8 +170,10 @@ class TransferEngine:
         return done
 
     def pending(self) -> int:
-        return len(self._jobs)
+        return len(self._jobs) + len(self._zombies)
 
     def drain(self) -> list[JobResult]:
         self.wait_for_jobs(list(self._jobs))
+        for flight in self._zombies.values():
+            flight.completion.wait()
         return self.poll()
