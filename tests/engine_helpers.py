@@ -289,9 +289,14 @@ def _child(script_path: str, out_path: str) -> None:
             stalled = False
             stall_info = None
             first = len(step_tokens)
+            aborts = {int(k): v for k, v in (act.get("abort_after_steps") or {}).items()}  # step -> [ids]
+            aborted: list[str] = []
             while engine.has_unfinished_requests():
                 if steps >= max_steps or time.monotonic() > deadline:
                     break
+                if steps in aborts:
+                    engine.abort_request(aborts[steps])
+                    aborted += aborts[steps]
                 for o in engine.step():
                     if o.finished:
                         outputs[o.request_id] = {"token_ids": list(o.outputs[0].token_ids),
@@ -307,6 +312,7 @@ def _child(script_path: str, out_path: str) -> None:
                     outputs[rid]["external_tokens"] = _external_for(external, rid)
             granted = {rid: _external_for(external, rid) for rid in names}
             res = {"op": op, "outputs": outputs, "steps": steps, "stalled": stalled, "stall": stall_info,
+                   "aborted": aborted,
                    "unfinished": sorted(set(names) - set(outputs)), "external_tokens": granted, "step_tokens": step_tokens[first:],
                    "metrics": _delta(before, metrics())}
             if stalled or res["unfinished"]:
