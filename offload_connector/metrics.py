@@ -33,6 +33,7 @@ labels):
 | `vllm:offload_connector_cpu_tier_capacity_blocks` | gauge | | scheduler | CPU-tier slots in all |
 | `vllm:offload_connector_cpu_tier_usage_perc` | gauge | | scheduler | used / capacity, 0..1 (as `vllm:kv_cache_usage_perc`) |
 | `vllm:offload_connector_cpu_tier_evictions_total` | counter | | scheduler | CPU-tier entries evicted to make room |
+| `vllm:offload_connector_cpu_tier_store_rejections_total` | counter | | scheduler | blocks not stored: the tier was full of pinned entries |
 | `vllm:offload_connector_stalls_total` | counter | | scheduler | stalls the watchdog detected |
 | `vllm:offload_connector_stalled` | gauge | | scheduler | 1 while the watchdog sees a stall |
 
@@ -73,6 +74,7 @@ LOADED_BYTES, LOADED_BLOCKS, LOAD_FAILURES = "loaded_bytes", "loaded_blocks", "l
 STORED_BYTES, STORED_BLOCKS, STORE_FAILURES = "stored_bytes", "stored_blocks", "store_failures"
 EVICTIONS = "cpu_tier_evictions"
 STALLS = "stalls_detected"
+STORE_REJECTIONS = "cpu_tier_store_rejections"
 DEFERRAL_PREFIX = "deferrals:"
 # Histogram sample keys.
 LOAD_SECONDS, STORE_SECONDS = "load_seconds", "store_seconds"
@@ -181,7 +183,7 @@ class OffloadStats(KVConnectorStats):
                 # Bytes of all workers over the time of all workers: mean bandwidth of one worker's copies.
                 out[f"{direction}_GBps"] = _sig(counters.get(nbytes_key, 0) / total / 1e9) if total > 0 else 0.0
         for key, value in counters.items():
-            if key.startswith(DEFERRAL_PREFIX) or key in (EVICTIONS, STALLS):
+            if key.startswith(DEFERRAL_PREFIX) or key in (EVICTIONS, STALLS, STORE_REJECTIONS):
                 out[key.replace(":", "_")] = value
         out.update(gauges)
         if gauges.get(TIER_CAPACITY):
@@ -206,6 +208,7 @@ class OffloadStatsSink:
         self._gauges: dict[str, float] = {}
         self._sent_gauges: dict[str, float] = {}
         self._evictions_seen = 0
+        self._rejections_seen = 0
 
     def record_transfer(self, direction: Direction, blocks: int, nbytes: int, seconds: float, ok: bool = True,
                         *, count_blocks: bool = True) -> None:
@@ -218,9 +221,15 @@ class OffloadStatsSink:
         with self._lock:
             self._stats.record_deferral(reason, count)
 
-    def record_tier(self, used_slots: int, total_slots: int, evictions_total: int) -> None:
-        """Scheduler side, any number of times per step. `evictions_total` is the tier's cumulative count."""
+    def record_tier(self, used_slots: int, total_slots: int, evictions_total: int,
+                    store_rejections_total: int = 0) -> None:
+        """Scheduler side, any number of times per step. The `*_total` arguments are the tier's cumulative counts."""
         with self._lock:
+            rejected = store_rejections_total - self._rejections_seen \
+                if store_rejections_total >= self._rejections_seen else store_rejections_total
+            self._rejections_seen = store_rejections_total
+            if rejected:
+                self._stats._add(STORE_REJECTIONS, rejected)
             # A smaller total means the tier was rebuilt (cache reset): count from its new zero.
             delta = evictions_total - self._evictions_seen if evictions_total >= self._evictions_seen \
                 else evictions_total

@@ -30,6 +30,8 @@ _COUNTERS: dict[str, tuple[str, str]] = {
     m.LOAD_FAILURES: ("load_failures_total", "Load jobs that failed on a worker; their requests recompute."),
     m.STORE_FAILURES: ("store_failures_total", "Store jobs that failed on a worker; their blocks are not cached."),
     m.EVICTIONS: ("cpu_tier_evictions_total", "CPU-tier entries evicted to make room for new stores."),
+    m.STORE_REJECTIONS: ("cpu_tier_store_rejections_total", "Blocks not stored because every CPU-tier slot was "
+                                                           "pinned by an in-flight load or store."),
     m.STALLS: ("stalls_total", "Stalls the watchdog detected: no token scheduled for stall_watchdog_steps steps "
                                "while requests waited and no transfer was in flight."),
 }

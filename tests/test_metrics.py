@@ -381,3 +381,11 @@ def test_stall_state_counter_once_and_gauge_while_stalled():
     assert sink.take() is None  # nothing new: no second count, gauge unchanged
     sink.record_stall_state(stalled=False, newly_detected=False)
     assert sink.take().data[m.GAUGES][m.STALLED] == 0
+
+
+def test_store_rejections_are_counted_as_deltas_of_the_tier_total():
+    sink = m.OffloadStatsSink()
+    sink.record_tier(4, 4, evictions_total=0, store_rejections_total=3)
+    assert sink.take().data[m.COUNTERS][m.STORE_REJECTIONS] == 3
+    sink.record_tier(4, 4, evictions_total=0, store_rejections_total=5)
+    assert sink.take().data[m.COUNTERS] == {m.STORE_REJECTIONS: 2}

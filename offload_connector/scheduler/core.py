@@ -498,7 +498,8 @@ class OffloadScheduler:
     def take_stats(self) -> OffloadStats | None:
         """This step's scheduler-side metrics (deferrals, tier usage, evictions), for `get_kv_connector_stats`."""
         # Called every step: only O(1) tier facts here (TierIndex.stats() walks every entry).
-        self.stats.record_tier(len(self.tier), self.tier.capacity_slots, self.tier.evictions)
+        self.stats.record_tier(len(self.tier), self.tier.capacity_slots, self.tier.evictions,
+                               self.tier.store_rejections)
         self.stats.record_deferred_requests(
             sum(1 for s in self._requests.values() if s.deferred_since is not None))
         return self.stats.take()
