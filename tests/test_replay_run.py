@@ -72,6 +72,7 @@ def test_burst_stalls_vllm_reservation_but_not_ours(tmp_path) -> None:
     ours = res["offload"]
     assert not ours.stalled and ours.requests_completed == ours.requests_total
     assert ours.tokens_loaded_from_cpu >= 2 * 20 * 512 and ours.admission_deferrals > 0
+    assert ours.extra["loads_content_checked"] >= 2  # every landed load was compared with what was stored
     for name in ("offload-vllm-reservation", "vllm-offloading"):
         r = res[name]
         assert r.stalled and r.requests_completed < r.requests_total, name

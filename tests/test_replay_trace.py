@@ -133,3 +133,13 @@ def test_parse_bytes() -> None:
     for bad in ("lots", "-1g", "0"):
         with pytest.raises(Exception, match="byte size"):
             parse_bytes(bad)
+
+
+def test_plot_thinning_keeps_idle_gaps_and_the_last_point() -> None:
+    from offload_connector.replay.plots import _thin
+
+    t = [i * 0.01 for i in range(10_000)] + [500.0 + i * 0.01 for i in range(10_000)]
+    series = {"t": t, "used": [0.5] * len(t)}
+    thin = _thin(series, n=1000)
+    assert len(thin["t"]) < 2500 and thin["t"][-1] == t[-1]
+    assert t[9_999] in thin["t"] and 500.0 in thin["t"]  # both ends of the idle stretch

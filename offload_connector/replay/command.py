@@ -155,7 +155,11 @@ def run(args: argparse.Namespace) -> int:
         print(f"offload-connector replay: {err}", file=sys.stderr)
         return 2
     t0 = time.time()
-    out = run_replay(workload, cfg, progress=_Bars(not args.no_progress))
+    try:
+        out = run_replay(workload, cfg, progress=_Bars(not args.no_progress))
+    except NotImplementedError as err:  # a config.json whose layer specs the simulation cannot derive
+        print(f"offload-connector replay: --model {args.model}: {err}", file=sys.stderr)
+        return 2
     print()
     print(header(out))
     print()

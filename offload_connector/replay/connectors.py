@@ -206,6 +206,13 @@ class ReplayEngine:
         self.recorder.on_step(self.clock.now, obs.free_blocks, obs.running, obs.waiting, self.group_live())
         return obs
 
+    def loads_content_checked(self) -> int | None:
+        """Loads whose landed blocks the tag engine compared with the stored tokens (ours only; a mismatch raises)."""
+        eng = getattr(self.driver, "engine", None)
+        if not isinstance(eng, TimedTagCopyEngine) or not self.driver.check_loads:
+            return None
+        return eng.loads_done
+
     def recorder_completed(self) -> int:
         return self.recorder.completed
 

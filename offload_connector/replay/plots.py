@@ -9,12 +9,18 @@ _COLORS = {"offload": "tab:green", "offload-vllm-reservation": "tab:orange", "vl
            "none": "tab:gray"}
 
 
-def _thin(xs: list[float], ys: list[float], n: int = 4000) -> tuple[list[float], list[float]]:
-    """Every k-th point, so a long run draws quickly; keeps the last point (where a stall is)."""
-    if len(xs) <= n:
-        return xs, ys
-    k = len(xs) // n + 1
-    return xs[::k] + xs[-1:], ys[::k] + ys[-1:]
+def _thin(series: dict[str, list[float]], n: int = 6000) -> dict[str, list[float]]:
+    """About n points, so long runs draw quickly. Points around a gap in time (the engine idle until the next
+    arrival) and the last point (where a stall is) are always kept, or the lines would cut across gaps."""
+    t = series["t"]
+    if len(t) <= n:
+        return series
+    k = len(t) // n + 1
+    gap = (t[-1] - t[0]) / n
+    keep = [i for i in range(len(t))
+            if i % k == 0 or i == len(t) - 1 or (i + 1 < len(t) and t[i + 1] - t[i] > gap)
+            or (i > 0 and t[i] - t[i - 1] > gap)]
+    return {name: [v[i] for i in keep] for name, v in series.items()}
 
 
 def plot(out: Any, path: str | Path) -> Path:
@@ -26,15 +32,12 @@ def plot(out: Any, path: str | Path) -> Path:
     fig, (ax_pool, ax_run, ax_wait) = plt.subplots(3, 1, figsize=(11, 8.5), sharex=True)
     for run in out.runs:
         name = run.result.connector
-        s = run.series
+        s = _thin(run.series)
         color = _COLORS.get(name)
         label = name + (f" (stalled at step {run.result.first_stall_step:,})" if run.result.stalled else "")
-        x, y = _thin(s["t"], [100 * u for u in s["used"]])
-        ax_pool.plot(x, y, lw=0.9, color=color, label=label)
-        x, y = _thin(s["t"], s["running"])
-        ax_run.plot(x, y, lw=0.9, color=color)
-        x, y = _thin(s["t"], s["waiting"])
-        ax_wait.plot(x, y, lw=0.9, color=color)
+        ax_pool.plot(s["t"], [100 * u for u in s["used"]], lw=0.9, color=color, label=label)
+        ax_run.plot(s["t"], s["running"], lw=0.9, color=color)
+        ax_wait.plot(s["t"], s["waiting"], lw=0.9, color=color)
         if run.stall_time is not None:
             for ax in (ax_pool, ax_run, ax_wait):
                 ax.axvline(run.stall_time, color=color, ls="--", lw=1)

@@ -152,7 +152,8 @@ def _finish(kind: str, eng: ReplayEngine, clock: SimClock, total: int, stall_ste
         transfer_bytes_loaded=eng.tally.load_bytes, transfer_bytes_stored=eng.tally.store_bytes,
         stopped_reason=reason, wall_seconds=round(wall, 1),
         stall_dump=pool_holders(eng) if stall_step is not None else None,
-        extra={"num_blocks": eng.sim.kv_cache_config.num_blocks, "groups": eng.group_names},
+        extra={"num_blocks": eng.sim.kv_cache_config.num_blocks, "groups": eng.group_names,
+               "loads_content_checked": eng.loads_content_checked()},
     )
     return RunOutput(res, eng.recorder.series(), clock.now if stall_step is not None else None)
 

@@ -46,6 +46,7 @@ ROWS: list[tuple[str, Callable[[ConnectorResult], Any], Callable[[Any], str]]] =
     ("CPU tier bytes / cached token", lambda r: r.cpu_tier_bytes_per_cached_token, _bytes),
     ("bytes loaded / stored", lambda r: f"{_bytes(r.transfer_bytes_loaded)} / {_bytes(r.transfer_bytes_stored)}",
      str),
+    ("loads content-checked", lambda r: r.extra.get("loads_content_checked"), _f(",")),
     ("wall seconds (replay loop)", lambda r: r.wall_seconds, _f(".1f")),
 ]
 

@@ -58,7 +58,8 @@ MODEL_TIME_DEFAULTS: dict[str, TimeModel] = {
     "gemma-4-31b": TimeModel(15.0, 40.0, 50.0, basis="gemma-4-31b: 62 GB bf16 weights/forward, 62 GFLOP/token"),
     "deepseek-v4-flash": TimeModel(8.0, 20.0, 30.0, basis="deepseek-v4-flash: 13B active fp8, ~26 GFLOP/token"),
 }
-GENERIC_TIME = TimeModel(15.0, 40.0, 50.0, basis="generic (Gemma-4-31B figures); override with --step-* flags")
+GENERIC_TIME = TimeModel(15.0, 40.0, 50.0, basis="generic (Gemma-4-31B figures); override with --step-overhead-ms, "
+                                                 "--prefill-token-us, --decode-request-us")
 
 
 def time_model_for(model: str, **overrides: Any) -> TimeModel:
