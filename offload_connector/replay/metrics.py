@@ -5,8 +5,9 @@ Everything is observed at vLLM's own interfaces, the same way for every connecto
 scheduler makes (`get_num_new_matched_tokens`, `update_state_after_alloc`) and the block pool.
 
 Recompute accounting, per request (prompt length P):
-- `reusable` = the longest prefix of the prompt that some earlier request had already computed when this one
-  arrived (at vLLM's hash-block granularity), capped at P - 1 (the last prompt token is always computed);
+- `reusable` = the longest prefix of the prompt that some earlier request had already computed (prompt or answer)
+  when this one arrived, at vLLM's hash-block granularity, capped at P - 1 (the last prompt token is always
+  computed);
 - `recomputed` = prompt tokens the model computed for it beyond the P - reusable it had to compute (preemptions
   included);
 - `recomputed_in_cpu` = of the reusable prefix, the part whose full-attention KV the CPU tier held at the last
@@ -46,6 +47,7 @@ class _Req:
     first_token: float | None = None
     finished: float | None = None
     outputs: int = 0
+    hashed: int = 0  # leading block hashes of this request already in Recorder.ever
 
 
 @dataclass(frozen=True)
@@ -140,8 +142,12 @@ class Recorder:
                 if r.first_hit is None:
                     r.first_hit = before
                 r.prefill_computed += part
-                if part and after >= prompt:
-                    self.ever.update(req.block_hashes[: prompt // self.hbs])
+                # Everything before this batch has been computed (or is in the batch ahead of it), answers
+                # included: a next turn that resumes after the answer can reuse all of it.
+                upto = min(before // self.hbs, len(req.block_hashes))
+                if upto > r.hashed:
+                    self.ever.update(req.block_hashes[r.hashed:upto])
+                    r.hashed = upto
             if part:
                 prefill += part
             else:
