@@ -111,7 +111,8 @@ class TransferEngine:
         self._after_zombies(self.load_stream)
         try:
             if self.load_stream is not None:
-                # The scheduler may have zeroed or written these blocks on the compute stream this step.
+                # A destination block may have been freed by a request whose last forward pass is still queued on
+                # the compute stream (async scheduling) and will write it: land after that, never under it.
                 self.load_stream.wait_stream(torch.cuda.current_stream(self._device))
             completion = self._copier.copy("h2d", self._ids(job), stream=self.load_stream)
         except Exception as exc:
