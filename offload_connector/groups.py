@@ -79,6 +79,25 @@ class GroupInfo:
         return range(self.first_live_block(num_tokens), num_tokens // self.block_size)
 
 
+def group_block_bytes(group: Any, kv_cache_config: Any) -> int:
+    """Bytes one block of a KV cache group holds over all its layers (an upper bound where vLLM packs layers).
+
+    A packed group (`UniformTypeKVCacheSpecs`, DeepSeek V4, as the worker sees it) reports its whole block as one
+    page; a plain group's page is per layer. The scheduler sees packed groups through one representative per-layer
+    spec, whose page times the layer count overstates the block (DeepSeek-V4-Flash: 2,321,280 B against a
+    1,002,240 B block id), so the count is capped by the bytes one block id spans in vLLM's allocation.
+    """
+    spec = group.kv_cache_spec
+    if type(spec).__name__ == "UniformTypeKVCacheSpecs":
+        return spec.page_size_bytes
+    nbytes = spec.page_size_bytes * len(group.layer_names)
+    tensors = getattr(kv_cache_config, "kv_cache_tensors", None) or []
+    num_blocks = getattr(kv_cache_config, "num_blocks", 0) or 0
+    if tensors and num_blocks:
+        nbytes = min(nbytes, max(t.size // num_blocks for t in tensors))
+    return nbytes
+
+
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
@@ -102,7 +121,7 @@ def describe_groups(kv_cache_config: Any, max_in_flight_tokens: int, max_model_l
             index=index,
             kind=kind,
             block_size=spec.block_size,
-            block_bytes=spec.page_size_bytes * len(group.layer_names),
+            block_bytes=group_block_bytes(group, kv_cache_config),
             num_layers=len(group.layer_names),
             sliding_window=getattr(spec, "sliding_window", None) or 0,
             extra_retained_tokens=getattr(spec, "extra_retained_tokens", 0) or 0,

@@ -212,3 +212,18 @@ def test_real_scheduler_runs_request_and_frees_pool(which, scheduler_cls, prompt
     assert min_free < sim.kv_cache_config.num_blocks - 1  # it really allocated from the pool
     assert not sched.requests and not sched.running and not sched.waiting
     assert pool.get_num_free_blocks() == sim.kv_cache_config.num_blocks - 1
+
+
+def test_connector_sizes_deepseek_v4_host_slots_by_the_packed_block():
+    """Each packed group's block is its UniformTypeKVCacheSpecs page, counted once (not once per layer)."""
+    from offload_connector.groups import describe_groups, group_block_bytes
+
+    _, sim = _build(DSV4, 1_048_576, DSV4_BLOCKS)
+    sched = describe_groups(sim.kv_cache_config, 8192, sim.max_model_len)
+    wc = sim.worker_kv_cache_config
+    worker = [group_block_bytes(g, wc) for g in wc.kv_cache_groups]
+    # The worker sees the packed pages; the scheduler's per-layer representatives are capped by the block id.
+    assert worker == [823_680, 786_240, 1_002_240, 870_912, 656_640]
+    assert [g.block_bytes for g in sched] == [823_680, 786_240, 1_002_240, 1_002_240, 656_640]
+    # Both sides size host slots alike: one block id.
+    assert max(g.block_bytes for g in sched) == max(worker) == _bytes_per_block_id(sim)

@@ -102,8 +102,8 @@ def build_layout(kv_caches: Mapping[str, Any], kv_cache_config: Any) -> tuple[KV
 
 def expected_slot_bytes(kv_cache_config: Any) -> int:
     """The slot size the scheduler side sized the tier with (its per-group block bytes, from the specs)."""
-    return max(group.kv_cache_spec.page_size_bytes * len(group.layer_names)
-               for group in kv_cache_config.kv_cache_groups)
+    from offload_connector.groups import group_block_bytes
+    return max(group_block_bytes(group, kv_cache_config) for group in kv_cache_config.kv_cache_groups)
 
 
 def host_views(tier: torch.Tensor, layout: KVLayout) -> list[torch.Tensor]:
