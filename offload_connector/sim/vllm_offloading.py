@@ -99,8 +99,10 @@ class FakeOffloadingWorker(OffloadingWorker):
 
 
 def _bytes_per_gpu_block(kv_cache_config: Any) -> Callable[[Any], int]:
-    """Bytes one GPU block id of each group moves (page size x layers), for the transfer stats."""
-    per_group = [g.kv_cache_spec.page_size_bytes * len(g.layer_names) for g in kv_cache_config.kv_cache_groups]
+    """Bytes one GPU block id of each group moves, for the transfer stats (packed groups counted once)."""
+    from offload_connector.groups import group_block_bytes
+
+    per_group = [group_block_bytes(g, kv_cache_config) for g in kv_cache_config.kv_cache_groups]
 
     def nbytes(spec: Any) -> int:
         sizes = getattr(spec, "group_sizes", None) or [len(spec.block_ids)]
