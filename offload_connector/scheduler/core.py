@@ -379,12 +379,17 @@ class OffloadScheduler:
         state.finished = True
         load = self._loads.pop(rid, None)
         if load is not None:
-            # Aborted while its load was in flight: the copy still targets the request's blocks, which vLLM frees
-            # now. The tier entries stay pinned until the worker reports the job (see update_connector_output).
+            # Aborted while its load was in flight: the copy still targets the request's blocks, which vLLM itself
+            # keeps until the load reports in finished_recving (finish_requests, WAITING_FOR_REMOTE_KVS) and then
+            # frees. The tier entries stay pinned until the worker reports the job (see update_connector_output).
             self._orphan_loads[load.job.job_id] = load
         if request.num_computed_tokens > 0 and load is None:
             self._plan_stores(state, request.num_computed_tokens, [list(ids) for ids in block_ids])
-        if state.pending_stores:
+        # Delay the free only for stores that read the blocks vLLM is about to free. With a load in flight vLLM
+        # already delays the free until finished_recving and frees the blocks then: a finished_sending for the same
+        # request would free them a second time (vLLM asserts the request still exists). Any store pending then was
+        # issued before a preemption, from blocks vLLM freed at the preemption; the fences cover those.
+        if state.pending_stores and load is None:
             self._delayed_free.append(rid)
             self._awaiting_free.add(rid)
             return True, None

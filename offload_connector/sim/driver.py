@@ -283,10 +283,16 @@ class SchedulerDriver:
         out, req_ids, sampled, reqs = self._queue.popleft()
         kv_out = None
         recving: set[str] = set()
+        failed: set[str] = set()
         if self.engine is not None:
             sending, recving, wmeta = self.engine.complete(self.step_no)
+            # An engine that injects load failures (sim/faults.py) reports them as the real worker does.
+            take_failed = getattr(self.engine, "take_failed_recving", None)
+            failed = take_failed() if take_failed is not None else set()
             kv_out = KVConnectorOutput(finished_sending=sending or None, finished_recving=recving or None,
                                        kv_connector_worker_meta=wmeta)
+            if failed:
+                kv_out.failed_recving = failed
         mro = ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
                                 sampled_token_ids=sampled, kv_connector_output=kv_out)
         live = {rid for rid, req in reqs.items() if not req.is_finished()}
@@ -301,7 +307,7 @@ class SchedulerDriver:
             if req.is_finished() and rid not in pending:
                 self._tagged.pop(rid, None)
                 self._settled.pop(rid, None)
-        self._verify_loaded(recving)
+        self._verify_loaded(recving - failed)
         if self.feeds_drafts and req_ids:
             self._propose_drafts(req_ids)
 

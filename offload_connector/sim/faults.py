@@ -1,0 +1,523 @@
+"""Fault, abort and preemption injection for the simulated engine, and the lifecycle invariants they must keep.
+
+`FaultyTagCopyEngine` is the driver's tag-copying worker with knobs: separate load and store latencies, jobs held in
+flight until released (so a test can act at an exact stage), and store / load jobs that fail (a failed store writes
+nothing to its host slots and is reported in `stores_failed`; a failed load writes nothing and is reported in
+`failed_recving`). `abort` and `preempt` do to a request what the API server's abort and vLLM's pool-pressure
+preemption do. `step_invariants` (cheap, every step) and `drained_invariants` (after a run) list what is wrong with the
+connector's state: leaked GPU blocks, reference counts, host slots, tier pins that no in-flight job explains, and tier
+entries readable although no store filled them with their own tokens. `run_lifecycle` runs one random case
+(`LifecycleCase`: layout, pool, a tiny tier, latencies, arrival mix, abort / preemption / failure rates) with both
+checks; `tests/test_lifecycle_property.py` draws them.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import Counter, deque
+from dataclasses import dataclass
+from typing import Any, Callable
+
+from offload_connector.metadata import OffloadMetadata, OffloadWorkerMetadata, TransferJob
+from offload_connector.sim.driver import SchedulerDriver, TagCopyEngine, _InFlight
+
+HELD = 1 << 60  # due step of a held job
+
+
+class FaultyTagCopyEngine(TagCopyEngine):
+    """TagCopyEngine with per-direction latency, held jobs and injected failures.
+
+    `fail_store(job)` / `fail_load(job)` decide at submission whether a job fails. A held job (`hold_loads` /
+    `hold_stores`, or `hold(job_ids)`) stays in flight until `release()`.
+    """
+
+    def __init__(self, load_latency: int = 1, store_latency: int = 1, *,
+                 fail_store: Callable[[TransferJob], bool] | None = None,
+                 fail_load: Callable[[TransferJob], bool] | None = None,
+                 hold_loads: bool = False, hold_stores: bool = False) -> None:
+        super().__init__(latency_steps=max(load_latency, store_latency))
+        self.load_latency = load_latency
+        self.store_latency = store_latency
+        self.fail_store = fail_store
+        self.fail_load = fail_load
+        self.hold_loads = hold_loads
+        self.hold_stores = hold_stores
+        self.failed_jobs: set[int] = set()
+        self.stores_failed = 0
+        self.loads_failed = 0
+        self.submitted: list[tuple[int, str, TransferJob]] = []  # (step, "load"/"store", job)
+        self.completed: list[tuple[int, str, TransferJob, bool]] = []  # (step, kind, job, ok)
+        self._failed_recving: set[str] = set()
+
+    # ----------------------------------------------------------------- submit
+    def submit(self, meta: OffloadMetadata | None, step: int) -> None:
+        if meta is None:
+            return
+        for job in meta.stores:
+            due = HELD if self.hold_stores else step + self.store_latency
+            self.inflight.append(_InFlight(due, job, False))
+            self.submitted.append((step, "store", job))
+            if self.fail_store is not None and self.fail_store(job):
+                self.failed_jobs.add(job.job_id)
+        for job in meta.loads:
+            # The real worker waits for unfinished stores reading a load's destination blocks before issuing it
+            # (TransferEngine.submit_load): with per-direction latencies, such a store reads its blocks now.
+            targets = set(job.gpu_blocks)
+            for item in self.inflight:
+                if not item.is_load and item.captured is None and targets.intersection(item.job.gpu_blocks):
+                    item.captured = [self.gpu.get(b) for b in item.job.gpu_blocks]
+            due = HELD if self.hold_loads else step + self.load_latency
+            self.inflight.append(_InFlight(due, job, True))
+            self.submitted.append((step, "load", job))
+            if self.fail_load is not None and self.fail_load(job):
+                self.failed_jobs.add(job.job_id)
+        self.delayed_free.update(meta.delayed_free)
+        if meta.store_fences:
+            fenced = set(meta.store_fences)
+            for item in self.inflight:
+                if not item.is_load and item.job.job_id in fenced and item.captured is None:
+                    item.captured = [self.gpu.get(b) for b in item.job.gpu_blocks]
+            self.fenced += len(fenced)
+
+    # ---------------------------------------------------------------- control
+    def hold(self, job_ids: set[int]) -> None:
+        for item in self.inflight:
+            if item.job.job_id in job_ids:
+                item.due = HELD
+
+    def release(self, step: int, kind: str | None = None) -> None:
+        """Held jobs (of `kind`, or all) complete at the next `complete` at or after `step`."""
+        if kind in (None, "load"):
+            self.hold_loads = False
+        if kind in (None, "store"):
+            self.hold_stores = False
+        for item in self.inflight:
+            if item.due == HELD and (kind is None or (kind == "load") == item.is_load):
+                item.due = step
+
+    def inflight_jobs(self, kind: str | None = None, request_id: str | None = None) -> list[TransferJob]:
+        return [i.job for i in self.inflight
+                if (kind is None or (kind == "load") == i.is_load)
+                and (request_id is None or i.job.request_id == request_id)]
+
+    # --------------------------------------------------------------- complete
+    def complete(self, step: int) -> tuple[set[str], set[str], OffloadWorkerMetadata | None]:
+        recving: set[str] = set()
+        done_stores: list[int] = []
+        failed_stores: list[int] = []
+        still: deque[_InFlight] = deque()
+        for item in self.inflight:
+            if item.due > step:
+                still.append(item)
+                continue
+            job = item.job
+            failed = job.job_id in self.failed_jobs
+            if item.is_load:
+                if failed:
+                    self._failed_recving.add(job.request_id)
+                    self.loads_failed += 1
+                else:
+                    for bid, slot in zip(job.gpu_blocks, job.host_slots):
+                        self.gpu[bid] = self.host.get(slot)
+                    self.loads_done += 1
+                recving.add(job.request_id)
+            else:
+                if failed:
+                    failed_stores.append(job.job_id)
+                    self.stores_failed += 1
+                else:
+                    data = item.captured or [self.gpu.get(b) for b in job.gpu_blocks]
+                    for tag, slot in zip(data, job.host_slots):
+                        self.host[slot] = tag
+                    done_stores.append(job.job_id)
+                    self.stores_done += 1
+            self.completed.append((step, "load" if item.is_load else "store", job, not failed))
+        self.inflight = still
+        pending_reqs = {i.job.request_id for i in self.inflight if not i.is_load}
+        sending = {rid for rid in self.delayed_free if rid not in pending_reqs}
+        self.delayed_free -= sending
+        meta = (OffloadWorkerMetadata(stores_done=done_stores, stores_failed=failed_stores)
+                if done_stores or failed_stores else None)
+        return sending, recving, meta
+
+    def take_failed_recving(self) -> set[str]:
+        """Load failures since the last call (the driver passes them to vLLM as `failed_recving`)."""
+        out, self._failed_recving = self._failed_recving, set()
+        return out
+
+
+# ---------------------------------------------------------------------- actions
+def abort(drv: SchedulerDriver, request_id: str) -> bool:
+    """What the API server does when a client disconnects. Returns whether vLLM still had the request."""
+    from vllm.v1.request import RequestStatus
+
+    return bool(drv.sched.finish_requests(request_id, RequestStatus.FINISHED_ABORTED))
+
+
+def preempt(drv: SchedulerDriver, request_id: str) -> bool:
+    """Preempt a running request the way vLLM's scheduler does under pool pressure (and as
+    `reset_prefix_cache(reset_running_requests=True)` does): out of `running`, blocks freed, back to `waiting`."""
+    sched = drv.sched
+    req = sched.requests.get(request_id)
+    if req is None or req not in sched.running:
+        return False
+    sched.running.remove(req)
+    sched._preempt_request(req, time.monotonic())
+    return True
+
+
+def settle(drv: SchedulerDriver) -> None:
+    """Apply every batch still in flight (what the driver does on an empty step), so that vLLM returns the blocks it
+    defers freeing while a batch may still write them."""
+    while drv._queue:
+        drv._apply_oldest()
+
+
+def hold_inflight(drv: SchedulerDriver, kind: str, request_id: str | None = None) -> list[TransferJob]:
+    """Hold the jobs of `kind` now in flight (and those submitted later) until `release`."""
+    engine = drv.engine
+    assert isinstance(engine, FaultyTagCopyEngine)
+    jobs = engine.inflight_jobs(kind, request_id)
+    engine.hold({j.job_id for j in jobs})
+    if kind == "store":
+        engine.hold_stores = True
+    else:
+        engine.hold_loads = True
+    return jobs
+
+
+def step_until(drv: SchedulerDriver, pred: Callable[[SchedulerDriver], bool], max_steps: int = 500,
+               check: bool = True) -> int:
+    """Step until `pred` holds (checked before each step); the step invariants after every step. Returns steps."""
+    for n in range(max_steps):
+        if pred(drv):
+            return n
+        drv.step()
+        if check:
+            assert_ok(step_invariants(drv))
+    if pred(drv):
+        return max_steps
+    raise AssertionError(f"condition not reached in {max_steps} steps (step {drv.step_no})")
+
+
+def drain(drv: SchedulerDriver, max_steps: int = 3000, check: bool = True) -> None:
+    """Step until nothing is left to do, checking the step invariants, then the drained invariants."""
+    start = drv.step_no
+    while drv.busy():
+        if drv.step_no - start >= max_steps:
+            raise AssertionError(f"not drained after {max_steps} steps: {describe(drv)}")
+        drv.step()
+        if check:
+            assert_ok(step_invariants(drv))
+    assert_ok(drained_invariants(drv))
+
+
+# ------------------------------------------------------------------- invariants
+def assert_ok(problems: list[str]) -> None:
+    if problems:
+        raise AssertionError("lifecycle invariant broken:\n  " + "\n  ".join(problems))
+
+
+def step_invariants(drv: SchedulerDriver) -> list[str]:
+    """Cheap checks that hold at every step boundary.
+
+    * every tier pin is explained: a not-yet-readable entry by exactly one in-flight store job that reserved it, and
+      each further pin by one in-flight load (admitted, or orphaned by an abort) that reads it;
+    * every store job the scheduler side tracks is in flight in the engine or reported done this step (no job the
+      engine dropped, none tracked forever), and every tracked load is in flight;
+    * host slots: no slot held by two entries, none both used and free, used + free = slots handed out;
+    * every readable entry's host slot holds its own key's tag: nothing half-written or failed was published.
+    """
+    side = drv.side
+    tier = side.tier
+    problems: list[str] = []
+    engine = drv.engine
+    expected = Counter()
+    store_keys: Counter = Counter()
+    for job_id, (_rid, keys, _seen) in side._store_jobs.items():
+        for key in keys:
+            store_keys[key] += 1
+    for load in list(side._loads.values()) + list(side._orphan_loads.values()):
+        for key in load.keys:
+            expected[key] += 1
+    for key, entry in tier._entries.items():
+        want = expected.get(key, 0) + (0 if entry.ready else 1)
+        if entry.pins != want:
+            problems.append(f"tier entry {key!r}: {entry.pins} pins, in-flight jobs explain {want}"
+                            f" (ready={entry.ready}, loads={expected.get(key, 0)}, stores={store_keys.get(key, 0)})")
+        if not entry.ready and store_keys.get(key, 0) != 1:
+            problems.append(f"tier entry {key!r} is being stored by {store_keys.get(key, 0)} tracked jobs")
+        if entry.ready and entry.pins == 0 and key not in tier._evictable:
+            problems.append(f"idle ready tier entry {key!r} is not evictable (leaked)")
+        if entry.ready and isinstance(engine, TagCopyEngine) and engine.host.get(entry.slot) != key:
+            problems.append(f"readable tier entry {key!r} (slot {entry.slot}) holds {engine.host.get(entry.slot)!r}")
+    for key in store_keys:
+        if key not in tier._entries:
+            problems.append(f"store job tracks {key!r}, which the tier no longer has")
+    for key in tier._evictable:
+        entry = tier._entries.get(key)
+        if entry is None or not entry.ready or entry.pins:
+            problems.append(f"evictable list holds {key!r} ({entry})")
+    slots = [e.slot for e in tier._entries.values()]
+    if len(set(slots)) != len(slots):
+        problems.append("two tier entries share a host slot")
+    if set(slots) & set(tier._free_slots) or len(set(tier._free_slots)) != len(tier._free_slots):
+        problems.append("a host slot is both used and free (or free twice)")
+    if len(slots) + len(tier._free_slots) != tier._next_slot or tier._next_slot > tier.capacity_slots:
+        problems.append(f"host slots: {len(slots)} used + {len(tier._free_slots)} free != {tier._next_slot} handed out")
+    if sum(e.nbytes for e in tier._entries.values()) != tier._used_bytes:
+        problems.append("tier used_bytes does not match its entries")
+    if isinstance(engine, TagCopyEngine):
+        in_flight = {i.job.job_id for i in engine.inflight}
+        for job_id in side._store_jobs:
+            if job_id not in in_flight and job_id not in {j.job_id for j in side._pending_stores}:
+                problems.append(f"store job {job_id} is tracked but not in flight")
+        for load in list(side._loads.values()) + list(side._orphan_loads.values()):
+            if load.job.job_id not in in_flight and load.job not in side._pending_loads:
+                problems.append(f"load job {load.job.job_id} ({load.job.request_id}) is tracked but not in flight")
+    # Readers of GPU blocks are exactly the tracked store jobs' blocks.
+    readers: dict[int, set[int]] = {}
+    for job_id in side._store_jobs:
+        for bid in side._job_blocks.get(job_id, ()):
+            readers.setdefault(bid, set()).add(job_id)
+    if readers != side._block_readers:
+        problems.append("block readers do not match the tracked store jobs")
+    if set(side._job_blocks) != set(side._store_jobs):
+        problems.append(f"job blocks for {set(side._job_blocks) ^ set(side._store_jobs)} without a store job")
+    return problems
+
+
+def drained_invariants(drv: SchedulerDriver) -> list[str]:
+    """What must hold once nothing is left to do: every block, slot pin and bookkeeping entry is back."""
+    side, sched = drv.side, drv.sched
+    problems = list(step_invariants(drv))
+    num_blocks = sched.kv_cache_config.num_blocks
+    pool = drv.pool
+    if pool.get_num_free_blocks() != num_blocks - 1:
+        problems.append(f"GPU pool: {pool.get_num_free_blocks()} free, expected {num_blocks - 1}")
+    held = [b.block_id for b in pool.blocks if b.ref_cnt != 0 and not b.is_null]
+    if held:
+        problems.append(f"GPU blocks with ref_cnt != 0: {held[:10]}")
+    for mgr in drv.managers():
+        if mgr.req_to_blocks:
+            problems.append(f"group manager still maps {sorted(mgr.req_to_blocks)[:5]}")
+    if sched.requests:
+        problems.append(f"vLLM still tracks {sorted(sched.requests)[:5]}")
+    if getattr(sched, "finished_recving_kv_req_ids", None):
+        problems.append(f"finished_recving_kv_req_ids: {sched.finished_recving_kv_req_ids}")
+    for name in ("_requests", "_loads", "_orphan_loads", "_store_jobs", "_block_readers", "_awaiting_free",
+                 "_job_blocks", "_pending_loads", "_pending_stores", "_delayed_free"):
+        value = getattr(side, name)
+        if value:
+            problems.append(f"scheduler side {name} not empty: {list(value)[:5]}")
+    stats = side.tier.stats()
+    if stats.pinned_entries:
+        problems.append(f"tier: {stats.pinned_entries} pinned entries")
+    if stats.ready_entries != stats.used_slots:
+        problems.append(f"tier: {stats.used_slots - stats.ready_entries} entries never published")
+    engine = drv.engine
+    if isinstance(engine, TagCopyEngine):
+        if engine.inflight:
+            problems.append(f"engine: {len(engine.inflight)} jobs still in flight")
+        if engine.delayed_free:
+            problems.append(f"engine: delayed frees never reported: {engine.delayed_free}")
+    return problems
+
+
+def describe(drv: SchedulerDriver) -> str:
+    side, sched = drv.side, drv.sched
+    running = [r.request_id for r in sched.running]
+    return (f"step {drv.step_no}: vLLM requests {sorted(sched.requests)} running {running}"
+            f" side requests {sorted(side._requests)} loads {sorted(side._loads)} orphans {sorted(side._orphan_loads)}"
+            f" stores {sorted(side._store_jobs)} awaiting {sorted(side._awaiting_free)}"
+            f" engine {[(i.job.job_id, i.is_load, i.due) for i in getattr(drv.engine, 'inflight', ())]}")
+
+
+def status(drv: SchedulerDriver, request_id: str) -> str | None:
+    req = drv.sched.requests.get(request_id)
+    return None if req is None else req.status.name
+
+
+def readable_keys(side: Any) -> set:
+    return {k for k, e in side.tier._entries.items() if e.ready}
+
+
+# ------------------------------------------------------------------ random lifecycles
+LAYOUTS: dict[str, tuple[tuple[str, int, int], ...]] = {
+    "full": (("full", 16, 0),),
+    "full+sliding": (("full", 16, 0), ("sliding", 16, 64)),
+    "full32+sliding16": (("full", 32, 0), ("sliding", 16, 48)),
+    "mla+chunked": (("mla", 16, 0), ("chunked", 16, 64)),
+}
+
+
+@dataclass(frozen=True)
+class LifecycleCase:
+    layout: str
+    pool_factor: float  # GPU pool = factor x the largest request's cold need (small: vLLM preempts)
+    prefix_caching: bool  # vLLM's GPU prefix cache (off: every hit comes from the CPU tier)
+    cpu_slots: int  # CPU-tier capacity in host blocks
+    max_num_batched_tokens: int
+    batch_depth: int  # 1: synchronous engine; 2: EngineCore's async batch queue
+    load_latency: int
+    store_latency: int
+    requests: tuple[tuple[int, int, int, int], ...]  # (shared base, kept prefix, new tokens, max_tokens)
+    arrival_gaps: tuple[int, ...]  # steps before each arrival
+    p_abort: float  # per step: abort a random live request
+    p_preempt: float  # per step: preempt a random running request
+    p_reset: float  # per step: try to reset the GPU prefix cache (succeeds only when no block is held)
+    p_store_fail: float  # per store job
+    p_load_fail: float  # per load job (kv_load_failure_policy "recompute")
+    seed: int
+
+
+@dataclass
+class LifecycleOutcome:
+    steps: int = 0
+    aborted: int = 0
+    preempted: int = 0  # forced here
+    preempted_by_vllm: int = 0
+    loads: int = 0
+    loaded_tokens: int = 0
+    stores_failed: int = 0
+    loads_failed: int = 0
+    orphaned_loads: int = 0
+    evictions: int = 0
+    store_rejections: int = 0
+    fenced: int = 0
+    finished: int = 0
+
+
+def _cold_need(groups, length: int, in_flight: int) -> int:
+    from offload_connector.groups import cdiv
+
+    total = 0
+    for kind, bs, extent in groups:
+        blocks = cdiv(length + 1, bs)
+        if kind in ("sliding", "sliding_mla"):
+            blocks = min(blocks, cdiv(extent - 1 + in_flight, bs) + 1)
+        elif kind == "chunked":
+            blocks = min(blocks, cdiv(extent + in_flight, bs))
+        total += blocks
+    return total
+
+
+def build_case_driver(case: LifecycleCase) -> tuple[SchedulerDriver, int]:
+    """`sim.custom.build_custom`, with vLLM's GPU prefix cache optional."""
+    import copy
+    import math
+    import random
+
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    from offload_connector.sim.custom import make_spec
+    from offload_connector.sim.layouts import build_vllm_config
+    from offload_connector.sim.scenarios import connector_config
+
+    groups = LAYOUTS[case.layout]
+    longest = max(keep + new + max_tokens for _b, keep, new, max_tokens in case.requests)
+    num_blocks = int(_cold_need(groups, longest, 2 * case.max_num_batched_tokens) * case.pool_factor) + 2
+    slot_bytes = 2 * max(bs for _, bs, _ in groups) * 64 * 2
+    kvt = connector_config("exact", case.cpu_slots * slot_bytes)
+    kvt.kv_load_failure_policy = "recompute"
+    vc = build_vllm_config("tiny-llama", max_model_len=4096, max_num_batched_tokens=case.max_num_batched_tokens,
+                           num_gpu_blocks=num_blocks, kv_transfer_config=kvt,
+                           max_num_seqs=min(64, case.max_num_batched_tokens), async_scheduling=True,
+                           enable_prefix_caching=case.prefix_caching)
+    specs = [KVCacheGroupSpec([f"layers.{i}.attn"], make_spec(*g)) for i, g in enumerate(groups)]
+    sizes = [g[1] for g in groups]
+    kc = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=specs)
+    if hasattr(kc, "hash_block_size"):
+        kc.hash_block_size = math.gcd(*sizes)
+    vc.cache_config.num_gpu_blocks = num_blocks
+    sched = Scheduler(vllm_config=vc, kv_cache_config=copy.deepcopy(kc),
+                      structured_output_manager=StructuredOutputManager(vc), block_size=math.lcm(*sizes),
+                      hash_block_size=math.gcd(*sizes))
+    rng = random.Random(case.seed ^ 0x5EED)
+    engine = FaultyTagCopyEngine(case.load_latency, case.store_latency,
+                                 fail_store=lambda job: rng.random() < case.p_store_fail,
+                                 fail_load=lambda job: rng.random() < case.p_load_fail)
+    drv = SchedulerDriver(sched, engine, batch_depth=case.batch_depth)
+    assert drv.side.tier.capacity_slots == case.cpu_slots
+    assert sched.kv_cache_manager.enable_caching == case.prefix_caching
+    return drv, math.gcd(*sizes)
+
+
+def run_lifecycle(case: LifecycleCase, max_steps: int = 4000, check_every_step: bool = True) -> LifecycleOutcome:
+    """Random arrivals sharing prefixes, random aborts and preemptions, failing jobs and a tiny tier; checks the step
+    invariants after every step and the drained invariants at the end (raises AssertionError / LoadContentError)."""
+    import random
+
+    from offload_connector.sim.requests import make_request, tokens
+
+    drv, hbs = build_case_driver(case)
+    rng = random.Random(case.seed)
+    out = LifecycleOutcome()
+    bases = [tokens(case.seed * 7 + b, 1200) for b in range(3)]
+    pending = []
+    for i, ((base, keep, new, max_tokens), gap) in enumerate(zip(case.requests, case.arrival_gaps)):
+        prompt = bases[base][:keep] + tokens(case.seed * 13 + 100 + i, new)
+        pending.append([gap, make_request(f"q{i}", prompt, max_tokens, hbs)])
+    seen_preempt: set[tuple[str, int]] = set()
+    aborted: set[str] = set()
+    while pending or drv.busy():
+        if drv.step_no >= max_steps:
+            raise AssertionError(f"not drained in {max_steps} steps: {describe(drv)}")
+        while pending and pending[0][0] <= 0:
+            drv.add([pending.pop(0)[1]])
+        if pending:
+            pending[0][0] -= 1
+        live = [r for r in drv.sched.requests.values() if not r.is_finished()]
+        if live and rng.random() < case.p_abort:
+            # Half the aborts go to a request whose load is in flight, if any: the rarest and most delicate stage.
+            loading = [r for r in live if r.request_id in drv.side._loads]
+            victim = rng.choice(loading if loading and rng.random() < 0.5 else live)
+            if victim.request_id in drv.side._loads:
+                out.orphaned_loads += 1
+            out.aborted += abort(drv, victim.request_id)
+            aborted.add(victim.request_id)
+        running = list(drv.sched.running)
+        if running and rng.random() < case.p_preempt:
+            out.preempted += preempt(drv, rng.choice(running).request_id)
+        if rng.random() < case.p_reset and not drv._queue:
+            drv.sched.reset_prefix_cache()
+        drv.step()
+        for req in drv.sched.requests.values():
+            if req.num_preemptions and (req.request_id, req.num_preemptions) not in seen_preempt:
+                seen_preempt.add((req.request_id, req.num_preemptions))
+        if check_every_step:
+            assert_ok(step_invariants(drv))
+    assert_ok(drained_invariants(drv))
+    side, engine = drv.side, drv.engine
+    assert isinstance(engine, FaultyTagCopyEngine)
+    out.steps = drv.step_no
+    out.preempted_by_vllm = max(0, len(seen_preempt) - out.preempted)
+    out.loads = side.counters.loads_admitted
+    out.loaded_tokens = side.counters.loaded_tokens
+    out.stores_failed = engine.stores_failed
+    out.loads_failed = engine.loads_failed
+    out.evictions = side.tier.evictions
+    out.store_rejections = side.tier.store_rejections
+    out.fenced = engine.fenced
+    out.finished = len(drv.finished)
+    # Every request that was not aborted finished.
+    missing = {f"q{i}" for i in range(len(case.requests))} - drv.finished - aborted
+    if missing:
+        raise AssertionError(f"requests neither finished nor aborted: {sorted(missing)}")
+    return out
+
+
+def random_case(rng: Any) -> LifecycleCase:
+    """A random case from `rng` (random.Random), drawn like the property test's strategy."""
+    req = tuple((rng.randint(0, 2), rng.randint(0, 500), rng.randint(1, 150), rng.randint(1, 200))
+                for _ in range(rng.randint(2, 7)))
+    return LifecycleCase(
+        layout=rng.choice(sorted(LAYOUTS)), pool_factor=rng.uniform(1.05, 3.0), prefix_caching=rng.random() < 0.5,
+        cpu_slots=rng.choice([3, 6, 12, 24, 60, 400, 400]), max_num_batched_tokens=rng.choice([32, 64, 128]),
+        batch_depth=rng.choice([1, 2]), load_latency=rng.randint(1, 4), store_latency=rng.choice([1, 2, 3, 5, 12]),
+        requests=req, arrival_gaps=tuple(rng.choice([0, 0, 1, 3, 8, 20]) for _ in req),
+        p_abort=rng.choice([0.0, 0.02, 0.08]), p_preempt=rng.choice([0.0, 0.02, 0.08]),
+        p_reset=rng.choice([0.0, 0.05, 0.3]), p_store_fail=rng.choice([0.0, 0.0, 0.1, 0.4]),
+        p_load_fail=rng.choice([0.0, 0.0, 0.2]), seed=rng.randrange(1 << 20))
