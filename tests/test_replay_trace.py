@@ -106,7 +106,11 @@ def test_builtin_workloads_are_deterministic_and_valid(name: str) -> None:
                          "session": r.session, "turn": r.turn}) for r in a.records]
     assert len(parse_lines(lines)) == len(a.records)
     phases = {r.get("phase") for r in a.records}
-    assert any(p.startswith("burst-k") for p in phases)
+    assert {"burst-k2", "burst-k3", "burst-k4", "edge"} <= phases  # issue 4: burst sweep of 2-4, an edge case
+    for k in (2, 3, 4):  # k distinct sessions, each resuming a previous turn, all in the same step
+        cell = [r for r in a.records if r.get("phase") == f"burst-k{k}"]
+        assert len(cell) == len({r.session for r in cell}) == k and len({r.timestamp_ms for r in cell}) == 1
+        assert all(r.turn and r.turn >= 1 for r in cell)
 
 
 def test_mooncake_synthetic_is_carried() -> None:

@@ -119,36 +119,67 @@ def gemma4_31b_returning(seed: int = 0) -> Workload:
 
 
 def deepseek_v4_flash_1m(seed: int = 0) -> Workload:
-    """§5.2 cell A scaled: one agent session (not two) grows 128k -> 256k -> 512k, then three ~500k contexts return
-    in the same step (the predicted stall on a 6,144-block pool), then 16 mixed requests (median 7k).
+    """§5.2 cell A scaled: one agent session (not two) grows 128k -> 256k -> 512k -> 737k, a burst sweep of 2, 3 and 4
+    sessions returning in the same step, then one ~1M context returning over 16 mixed requests (not 64).
 
-    1. grow: session A at 128k, 256k, 512k (2-8k new tokens per turn, 200-token answers), interleaved with 6
-       one-shot 8-32k requests.
-    2. burst: sessions B and C compute ~490k contexts; then A, B and C return in the same step with 1-2k new tokens.
-    3. mixed: 16 one-shot requests, lognormal median 7k (1k-64k), Poisson arrivals 1 s apart on average.
+    1. grow: session A at 128k, 256k, 512k, then 737k context (2-8k new tokens on the first turns, 200-token
+       answers), interleaved with 6 one-shot 8-32k requests.
+    2. burst: for (k, H) in (2, 737k), (3, 490k), (4, 366k), each inside the stall region of vLLM's reservation on
+       the 6,144-block pool (k loaded footprints of H/256 + 22 blocks leave under the ~420 blocks one 1,024-token
+       chunk needs, while the last returner still passes vLLM's gate of about H/256 blocks): fresh sessions compute
+       H-token contexts one after another (A is one of the k = 2 pair), 128k tokens of one-shot filler evict
+       their windows from the GPU, then all k return in the same step with 1-2k new tokens each.
+    3. edge: A grows to a ~1M context (of max_model_len 1,048,576; one such request fits the pool, two do not)
+       right after its k = 2 return, is evicted by the later cells, and returns last while 16 one-shot requests
+       (lognormal median 7k, 1k-64k) arrive and decode around it.
     """
     g = _Gen(seed)
-    g.turn("agent-A", 0, 0, 200, "grow", first_input=128 * 1024)
+    k = 1024
+    step_ms = 0.03  # > simulated cost of one prompt token at 1,024-token steps, for spacing long prefills
+
+    def grow(session: str, t_ms: float, ctx: int, n_out: int, phase: str) -> TraceRecord:
+        """A turn whose prompt plus answer reach `ctx` tokens."""
+        prev = g.last[session]
+        return g.turn(session, t_ms, ctx - n_out - prev.input_length - prev.output_length, n_out, phase)
+
+    g.turn("agent-A", 0, 0, 200, "grow", first_input=128 * k)
     t = 0.0
-    for target in (256 * 1024, 512 * 1024):
-        t += 25000 if target == 256 * 1024 else 30000
+    for target in (256 * k, 512 * k):
+        t += 25000 if target == 256 * k else 30000
         prev = g.last["agent-A"]
         g.turn("agent-A", t, target - prev.input_length - prev.output_length, 200, "grow")
     for i in range(6):
-        g.one_shot(2000 + 9000 * i, g.rng.randint(8 * 1024, 32 * 1024), 32, "grow-filler")
-    t += 40000
-    for name in ("agent-B", "agent-C"):
-        g.turn(name, t, 0, 16, "burst-warm", first_input=490 * 1024 + 100)
-        t += 22000
+        g.one_shot(2000 + 9000 * i, g.rng.randint(8 * k, 32 * k), 32, "grow-filler")
+    t += 30000
+    grow("agent-A", t, 737 * k, 200, "grow")
+    t += 737 * k * step_ms * 1.3
+    for kk, ctx in ((2, 737 * k), (3, 490 * k + 116), (4, 366 * k)):
+        names = [f"burst-k{kk}-{i}" for i in range(kk)]
+        if kk == 2:
+            names[0] = "agent-A"
+        for name in names:
+            if name in g.last:
+                continue
+            g.turn(name, t, 0, 16, "burst-warm", first_input=ctx - 16)
+            t += ctx * step_ms * 1.3
+        for i in range(4):
+            g.one_shot(t + 500 * i, 32 * k, 8, "burst-filler")
+        t += 8000
+        for name in names:
+            g.turn(name, t, g.rng.randint(1000, 2000), 64, f"burst-k{kk}")
+        # Room for recompute (connector off: k contexts again, with preemptions) before the next phase.
+        t += kk * ctx * step_ms * 1.5 + 20000
+        if kk == 2:
+            grow("agent-A", t, 1_000_000, 16, "edge-warm")
+            t += 1_000_000 * step_ms * 1.3
     for i in range(4):
-        g.one_shot(t + 500 * i, 32 * 1024, 8, "burst-filler")
-    t += 8000
-    for name in ("agent-A", "agent-B", "agent-C"):
-        g.turn(name, t, g.rng.randint(1000, 2000), 64, "burst-k3")
-    t += 40000
+        g.one_shot(t + 500 * i, 32 * k, 8, "edge-filler")
+    ret = t + 8000
+    tb = ret - 3000
     for i in range(16):
-        t += g.rng.expovariate(1 / 1000)
-        g.one_shot(t, g.lognormal(7000, 1.0, 1000, 64 * 1024), g.lognormal(200, 0.5, 16, 512), "mixed")
+        g.one_shot(tb, g.lognormal(7000, 1.0, 1000, 64 * k), g.lognormal(200, 0.5, 16, 512), "edge-background")
+        tb += g.rng.expovariate(1 / 500)
+    g.turn("agent-A", ret, 1000, 32, "edge")
     return Workload("deepseek-v4-flash-1m", g.done(), deepseek_v4_flash_1m.__doc__ or "", "deepseek-v4-flash")
 
 
