@@ -2,6 +2,7 @@
 
     offload-connector stall-demo [--model gemma-4-31b|deepseek-v4-flash|all] [--json PATH]
     offload-connector replay [--model M] [--trace T] [--connectors C,...] [--json PATH] [--plot PATH] ...
+    offload-connector soak [--model gemma-4-31b|deepseek-v4-flash] [--sim-seconds 3600] [--seed 0] [--json PATH] ...
 
 `stall-demo` runs the seed stall scenario through vLLM's real scheduler on CPU, once with vLLM's own reservation and
 once with the connector's exact ledger, and prints what happened side by side. `replay` replays a workload (built-in
@@ -71,6 +72,9 @@ def main(argv: list[str] | None = None) -> int:
     from offload_connector.replay.command import add_parser as add_replay_parser
 
     add_replay_parser(sub)
+    from offload_connector.soak.command import add_parser as add_soak_parser
+
+    add_soak_parser(sub)
     args = ap.parse_args(argv)
     if args.cmd == "stall-demo":
         return _stall_demo(args)
@@ -78,6 +82,10 @@ def main(argv: list[str] | None = None) -> int:
         from offload_connector.replay.command import run as run_replay
 
         return run_replay(args)
+    if args.cmd == "soak":
+        from offload_connector.soak.command import run as run_soak_command
+
+        return run_soak_command(args)
     return 2
 
 
