@@ -21,7 +21,7 @@ class SoakDefaults:
 
 
 SOAK_DEFAULTS = {
-    "gemma-4-31b": SoakDefaults(1400, 4 * 10**9, 13312),
+    "gemma-4-31b": SoakDefaults(2188, 4 * 10**9, 13312),
     "deepseek-v4-flash": SoakDefaults(1536, 2 * 10**9, 131072),
 }
 
@@ -34,7 +34,7 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--model", choices=sorted(SOAK_DEFAULTS), default="gemma-4-31b")
     p.add_argument("--sim-seconds", type=float, default=3600.0, help="simulated time to generate arrivals for")
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--gpu-blocks", type=int, help="GPU KV pool (default: gemma 1400, deepseek 1536)")
+    p.add_argument("--gpu-blocks", type=int, help="GPU KV pool (default: gemma 2188, deepseek 1536)")
     p.add_argument("--cpu-bytes", type=parse_bytes, help="CPU tier (default: gemma 4GB, deepseek 2GB)")
     p.add_argument("--max-model-len", type=int, help="default: gemma 13312, deepseek 131072")
     p.add_argument("--max-num-batched-tokens", type=int, default=1024)
