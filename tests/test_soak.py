@@ -15,8 +15,8 @@ from offload_connector.soak.workload import soak_records
 def _config(model: str, sim_seconds: float, **kw) -> SoakConfig:
     d = SOAK_DEFAULTS[model]
     # Fault rates well above the full soak's, so that a minute of simulated time injects each kind.
-    rates = dict(abort_rate=0.15, abort_loading_rate=0.25, load_failure_rate=0.3, store_failure_rate=0.05,
-                 preempt_rate=0.01)
+    rates = dict(abort_rate=0.15, abort_window_s=30.0, abort_loading_rate=0.25, load_failure_rate=0.3,
+                 store_failure_rate=0.05, preempt_rate=0.01)
     rates.update(kw)
     return SoakConfig(model=model, sim_seconds=sim_seconds, num_gpu_blocks=d.num_gpu_blocks, cpu_bytes=d.cpu_bytes,
                       max_num_batched_tokens=1024, max_model_len=d.max_model_len, max_num_seqs=64,

@@ -47,8 +47,8 @@ class SoakConfig:
     time_model: TimeModel
     seed: int = 0
     abort_rate: float = 0.05
-    abort_window_s: float = 30.0
-    abort_loading_rate: float = 0.05
+    abort_window_s: float = 3.0
+    abort_loading_rate: float = 0.1
     load_failure_rate: float = 0.1
     store_failure_rate: float = 0.02
     preempt_rate: float = 0.002
@@ -338,7 +338,8 @@ SUMMARY_ROWS = (
     ("admissions checked vs vLLM alloc", lambda r: f"{r.admissions_checked:,}"),
     ("loads content-checked", lambda r: f"{r.loads_content_checked:,}"),
     ("injected load failures", lambda r: f"{r.load_failures_injected:,}"),
-    ("injected store failures", lambda r: f"{r.store_failures_injected:,} (of {r.stores_done + r.store_failures_injected:,} stores)"),
+    ("injected store failures",
+     lambda r: f"{r.store_failures_injected:,} (of {r.stores_done + r.store_failures_injected:,} stores)"),
     ("preemptions (vLLM / forced)", lambda r: f"{r.preemptions_by_vllm:,} / {r.preemptions_forced:,}"),
     ("CPU tier evictions (rejected stores)", lambda r: f"{r.evictions:,} ({r.store_rejections:,})"),
     ("admission deferrals (timeouts)", lambda r: f"{r.deferrals:,} ({r.deferral_timeouts:,})"),
