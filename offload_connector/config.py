@@ -43,6 +43,9 @@ class OffloadConfig:
     debug_corrupt_load: bool = False
     # Fault injection for tests: report every load as failed without copying.
     debug_fail_load: bool = False
+    # Test aid: report each landed load this many steps late, so that a CPU engine (whose copies finish within the
+    # step) has loads in flight across steps, as a GPU engine does.
+    debug_load_delay_steps: int = 0
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> "OffloadConfig":
@@ -75,6 +78,10 @@ class OffloadConfig:
             values["transfer_backend"] = _choice("transfer_backend", extra.pop("transfer_backend"), TRANSFER_BACKENDS)
         if "load_timeout_s" in extra:
             values["load_timeout_s"] = _non_negative_float("load_timeout_s", extra.pop("load_timeout_s"))
+        if "debug_load_delay_steps" in extra:
+            value = extra.pop("debug_load_delay_steps")
+            values["debug_load_delay_steps"] = 0 if value == 0 and not isinstance(value, bool) else \
+                _positive_int("debug_load_delay_steps", value)
         if "debug_fail_load" in extra:
             values["debug_fail_load"] = _bool("debug_fail_load", extra.pop("debug_fail_load"))
         if "debug_corrupt_load" in extra:

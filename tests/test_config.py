@@ -28,6 +28,7 @@ def test_defaults_and_suffixes():
     ({"cpu_bytes": 10, "load_timeout_s": -1}, "'load_timeout_s' must be a number of seconds >= 0"),
     ({"cpu_bytes": 10, "load_timeout_s": "5s"}, "'load_timeout_s' must be a number of seconds >= 0"),
     ({"cpu_bytes": 10, "debug_fail_load": 1}, "'debug_fail_load' must be true or false"),
+    ({"cpu_bytes": 10, "debug_load_delay_steps": -2}, "'debug_load_delay_steps' must be a positive integer"),
 ])
 def test_bad_config_names_key_and_accepted_values(extra, needle):
     with pytest.raises(ConfigError) as err:

@@ -43,6 +43,7 @@ class OffloadWorker:
         self._failed_recving: set[str] = set()
         self._stores_done: list[int] = []
         self._stores_failed: list[int] = []
+        self._held_loads: list[tuple[int, str, bool]] = []  # (steps left, request, ok): debug_load_delay_steps
         if config.debug_fail_load:
             logger.warning("offload_connector: debug_fail_load is on: every load is reported failed without copying "
                            "(fault injection for tests)")
@@ -107,9 +108,7 @@ class OffloadWorker:
             self.stats.record_transfer(result.kind, job.num_blocks, result.nbytes, result.seconds, result.ok,
                                        count_blocks=self._count_blocks)
             if result.kind == "load":
-                self._finished_recving.add(job.request_id)
-                if not result.ok:
-                    self._failed_recving.add(job.request_id)
+                self._held_loads.append((self.config.debug_load_delay_steps, job.request_id, result.ok))
                 continue
             (self._stores_done if result.ok else self._stores_failed).append(job.job_id)
             rid = self._store_owner.pop(job.job_id, job.request_id)
@@ -122,6 +121,15 @@ class OffloadWorker:
     def transfer_results(self) -> tuple[set[str], set[str], set[str]]:
         """(finished_sending, finished_recving, failed_recving) since the last call."""
         self._collect()
+        still_held = []
+        for left, rid, ok in self._held_loads:
+            if left > 0:
+                still_held.append((left - 1, rid, ok))
+                continue
+            self._finished_recving.add(rid)
+            if not ok:
+                self._failed_recving.add(rid)
+        self._held_loads = still_held
         sending = {rid for rid in self._delayed if rid not in self._stores_of}
         self._delayed -= sending
         recving, self._finished_recving = self._finished_recving, set()
