@@ -58,32 +58,13 @@ class ReplayEngine:
     def __init__(self, kind: str, settings: EngineSettings, clock: SimClock) -> None:
         if kind not in CONNECTORS:
             raise ValueError(f"unknown connector {kind!r}; choose from {', '.join(CONNECTORS)}")
-        self.kind = kind
-        self.clock = clock
         kt = None
         if kind in ("offload", "offload-vllm-reservation"):
             kt = connector_config("exact" if kind == "offload" else "vllm", settings.cpu_bytes)
         elif kind == "vllm-offloading":
             from offload_connector.sim.vllm_offloading import offloading_config
             kt = offloading_config(settings.cpu_bytes)
-        vc = build_vllm_config(settings.model, max_model_len=settings.max_model_len,
-                               max_num_batched_tokens=settings.max_num_batched_tokens,
-                               max_num_seqs=settings.max_num_seqs, num_gpu_blocks=settings.num_gpu_blocks,
-                               kv_transfer_config=kt)
-        self.vllm_config = vc
-        self.sim = build_sim_model(settings.model, vllm_config=vc, num_blocks=settings.num_gpu_blocks)
-        self.sched = build_scheduler(self.sim, vc)
-        groups = self.sim.kv_cache_config.kv_cache_groups
-        self.group_names = [f"g{i}:{type(g.kv_cache_spec).__name__}/{g.kv_cache_spec.block_size}"
-                            for i, g in enumerate(groups)]
-        self._recycling = [getattr(g.kv_cache_spec, "sliding_window", None) is not None
-                           or getattr(g.kv_cache_spec, "attention_chunk_size", None) is not None for g in groups]
-        self.recorder = Recorder(self.sim.hash_block_size, self.group_names, self.sim.kv_cache_config.num_blocks - 1)
-        self.tally = TransferTally()
-        # Transfer time uses the real bytes of a block id per group, the same figure for every connector.
-        self.block_bytes = block_id_bytes(self.sim.worker_kv_cache_config)
-        self.conn = self.sched.get_kv_connector()
-        self.side = getattr(self.conn, "scheduler_side", None)
+        vc = self._build(kind, settings, clock, kt)
         if kind == "vllm-offloading":
             from offload_connector.sim.vllm_offloading import VllmOffloadingDriver, VllmOffloadingWorkerSim
             worker = VllmOffloadingWorkerSim(vc, self.sim.worker_kv_cache_config, latency_steps=1)
@@ -99,6 +80,30 @@ class ReplayEngine:
         else:
             self.driver = SchedulerDriver(self.sched, None)
         self._instrument()
+
+    def _build(self, kind: str, settings: EngineSettings, clock: SimClock, kv_transfer_config: Any) -> Any:
+        """vLLM config, simulated model and real scheduler for one connector, plus what the recorder needs."""
+        self.kind = kind
+        self.clock = clock
+        vc = build_vllm_config(settings.model, max_model_len=settings.max_model_len,
+                               max_num_batched_tokens=settings.max_num_batched_tokens,
+                               max_num_seqs=settings.max_num_seqs, num_gpu_blocks=settings.num_gpu_blocks,
+                               kv_transfer_config=kv_transfer_config)
+        self.vllm_config = vc
+        self.sim = build_sim_model(settings.model, vllm_config=vc, num_blocks=settings.num_gpu_blocks)
+        self.sched = build_scheduler(self.sim, vc)
+        groups = self.sim.kv_cache_config.kv_cache_groups
+        self.group_names = [f"g{i}:{type(g.kv_cache_spec).__name__}/{g.kv_cache_spec.block_size}"
+                            for i, g in enumerate(groups)]
+        self._recycling = [getattr(g.kv_cache_spec, "sliding_window", None) is not None
+                           or getattr(g.kv_cache_spec, "attention_chunk_size", None) is not None for g in groups]
+        self.recorder = Recorder(self.sim.hash_block_size, self.group_names, self.sim.kv_cache_config.num_blocks - 1)
+        self.tally = TransferTally()
+        # Transfer time uses the real bytes of a block id per group, the same figure for every connector.
+        self.block_bytes = block_id_bytes(self.sim.worker_kv_cache_config)
+        self.conn = self.sched.get_kv_connector()
+        self.side = getattr(self.conn, "scheduler_side", None)
+        return vc
 
     # ---------------------------------------------------------- instrumentation
     def _instrument(self) -> None:

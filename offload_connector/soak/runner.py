@@ -29,8 +29,7 @@ from typing import Any, Callable
 
 import offload_connector.sim  # noqa: F401  (platform environment before vLLM loads)
 from offload_connector.replay.connectors import EngineSettings, ReplayEngine
-from offload_connector.replay.engines import TimedTagCopyEngine, TransferTally, block_id_bytes
-from offload_connector.replay.metrics import Recorder
+from offload_connector.replay.engines import TimedTagCopyEngine, TransferTally
 from offload_connector.replay.timemodel import SimClock, TimeModel
 from offload_connector.sim.faults import FaultyTagCopyEngine
 
@@ -131,29 +130,11 @@ class SoakEngine(ReplayEngine):
     def __init__(self, settings: EngineSettings, clock: SimClock, fault_rng: random.Random,
                  load_failure_rate: float, store_failure_rate: float) -> None:
         from offload_connector.sim.driver import SchedulerDriver
-        from offload_connector.sim.layouts import build_scheduler, build_sim_model, build_vllm_config
         from offload_connector.sim.scenarios import connector_config
 
-        self.kind = "offload"
-        self.clock = clock
         kt = connector_config("exact", settings.cpu_bytes)
         kt.kv_load_failure_policy = "recompute"
-        vc = build_vllm_config(settings.model, max_model_len=settings.max_model_len,
-                               max_num_batched_tokens=settings.max_num_batched_tokens,
-                               max_num_seqs=settings.max_num_seqs, num_gpu_blocks=settings.num_gpu_blocks,
-                               kv_transfer_config=kt)
-        self.vllm_config = vc
-        self.sim = build_sim_model(settings.model, vllm_config=vc, num_blocks=settings.num_gpu_blocks)
-        self.sched = build_scheduler(self.sim, vc)
-        groups = self.sim.kv_cache_config.kv_cache_groups
-        self.group_names = [f"g{i}:{type(g.kv_cache_spec).__name__}/{g.kv_cache_spec.block_size}"
-                            for i, g in enumerate(groups)]
-        self._recycling = [getattr(g.kv_cache_spec, "sliding_window", None) is not None
-                           or getattr(g.kv_cache_spec, "attention_chunk_size", None) is not None for g in groups]
-        self.recorder = Recorder(self.sim.hash_block_size, self.group_names, self.sim.kv_cache_config.num_blocks - 1)
-        self.block_bytes = block_id_bytes(self.sim.worker_kv_cache_config)
-        self.conn = self.sched.get_kv_connector()
-        self.side = self.conn.scheduler_side
+        self._build("offload", settings, clock, kt)
         eng = TimedFaultyTagCopyEngine(clock, self.block_bytes,
                                        fail_store=lambda job: fault_rng.random() < store_failure_rate,
                                        fail_load=lambda job: fault_rng.random() < load_failure_rate)
