@@ -187,15 +187,15 @@ def test_failed_loads_are_recomputed_and_outputs_stay_correct(model_dir: str, ba
     assert res["snapshot"] is None or not res["snapshot"].get("rows"), res["snapshot"]
 
 
-def test_abort_mid_load_then_the_prefix_loads_again(model_dir: str, baseline: dict) -> None:
-    """With loads reported 3 steps late (`debug_load_delay_steps`, so a CPU engine has loads in flight across steps
-    as a GPU engine does), a request is aborted while vLLM still waits for its load: nothing leaks and the prefix
-    loads again with the reference output."""
-    script = _reload_script(model_dir, connector_config(cpu_bytes="256Mi", debug_load_delay_steps=3))
+def _abort_then_reload(model_dir: str, baseline: dict, abort_after: int, **extra) -> dict:
+    """Abort a request for the stored prefix after `abort_after` engine steps, then reload the same prefix: nothing
+    leaks (the GPU prefix cache can be reset, which needs every block back; the pool ends at num_blocks - 1 free)
+    and the reload gets the reference output. Returns the aborted request's generate action."""
+    script = _reload_script(model_dir, connector_config(cpu_bytes="256Mi", **extra))
     full = script["actions"][3]["requests"][0]["prompt_token_ids"]
     script["actions"] = script["actions"][:3] + [
         {"op": "generate", "requests": [{"id": "doomed", "prompt_token_ids": full, "max_tokens": GEN}],
-         "abort_after_steps": {"2": ["doomed"]}},
+         "abort_after_steps": {str(abort_after): ["doomed"]}},
         {"op": "reset_prefix_cache"},
         _gen("reload", full, GEN),
         {"op": "reset_prefix_cache"},
@@ -203,37 +203,26 @@ def test_abort_mid_load_then_the_prefix_loads_again(model_dir: str, baseline: di
     res = run_engine(script, timeout=420)
     doomed = next(a for a in res["actions"] if a.get("aborted"))
     assert doomed["aborted"] == ["doomed"] and doomed["external_tokens"]["doomed"] == PREFIX
-    # Aborted while waiting for its load: no token of it was ever scheduled.
-    assert "doomed" not in doomed["outputs"] and not any(doomed["step_tokens"][:2]), doomed["step_tokens"]
     resets = [a for a in res["actions"] if a["op"] == "reset_prefix_cache"]
     assert all(r["ok"] for r in resets), resets
     assert resets[-1]["free_blocks"] == res["num_blocks"] - 1
     got = _out(res, "reload")
     assert got["external_tokens"] == PREFIX and got["token_ids"] == _out(baseline, "reload")["token_ids"]
+    return doomed
+
+
+def test_abort_mid_load_then_the_prefix_loads_again(model_dir: str, baseline: dict) -> None:
+    """With loads reported 3 steps late (`debug_load_delay_steps`, so a CPU engine has loads in flight across steps
+    as a GPU engine does), a request is aborted while vLLM still waits for its load."""
+    doomed = _abort_then_reload(model_dir, baseline, abort_after=2, debug_load_delay_steps=3)
+    # Aborted while waiting for its load: no token of it was ever scheduled.
+    assert "doomed" not in doomed["outputs"] and not any(doomed["step_tokens"][:2]), doomed["step_tokens"]
 
 
 def test_abort_right_after_a_load_then_the_prefix_loads_again(model_dir: str, baseline: dict) -> None:
-    """A request is aborted the step its load is admitted (the CPU backend copies within that step): nothing leaks
-    (the GPU prefix cache can be reset, which needs every block back) and the next request with the same prefix
-    loads it again with the reference output."""
-    script = _reload_script(model_dir, connector_config(cpu_bytes="256Mi"))
-    full = script["actions"][3]["requests"][0]["prompt_token_ids"]
-    script["actions"] = script["actions"][:3] + [
-        {"op": "generate", "requests": [{"id": "doomed", "prompt_token_ids": full, "max_tokens": GEN}],
-         "abort_after_steps": {"1": ["doomed"]}},
-        {"op": "reset_prefix_cache"},
-        _gen("reload", full, GEN),
-        {"op": "reset_prefix_cache"},
-    ]
-    res = run_engine(script, timeout=420)
-    doomed = next(a for a in res["actions"] if a.get("aborted"))
-    assert doomed["aborted"] == ["doomed"] and doomed["external_tokens"]["doomed"] == PREFIX
+    """A request is aborted the step its load is admitted (the CPU backend copies within that step)."""
+    doomed = _abort_then_reload(model_dir, baseline, abort_after=1)
     assert "doomed" not in doomed["outputs"] or len(doomed["outputs"]["doomed"]["token_ids"]) < GEN
-    resets = [a for a in res["actions"] if a["op"] == "reset_prefix_cache"]
-    assert all(r["ok"] for r in resets), resets
-    assert resets[-1]["free_blocks"] == res["num_blocks"] - 1
-    got = _out(res, "reload")
-    assert got["external_tokens"] == PREFIX and got["token_ids"] == _out(baseline, "reload")["token_ids"]
 
 
 # --------------------------------------------------------------------------------------------------- the stall
