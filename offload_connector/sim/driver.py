@@ -75,24 +75,31 @@ class TagCopyEngine:
             if item.due > step:
                 still.append(item)
                 continue
-            job = item.job
-            if item.is_load:
-                for bid, slot in zip(job.gpu_blocks, job.host_slots):
-                    self.gpu[bid] = self.host.get(slot)
-                recving.add(job.request_id)
-                self.loads_done += 1
-            else:
-                data = item.captured or [self.gpu.get(b) for b in job.gpu_blocks]
-                for tag, slot in zip(data, job.host_slots):
-                    self.host[slot] = tag
-                done_stores.append(job.job_id)
-                self.stores_done += 1
+            self._land(item)
+            (recving.add(item.job.request_id) if item.is_load else done_stores.append(item.job.job_id))
         self.inflight = still
+        meta = OffloadWorkerMetadata(stores_done=done_stores) if done_stores else None
+        return self._release_delayed_free(), recving, meta
+
+    def _land(self, item: _InFlight) -> None:
+        """A job's bytes arrive: a load's host tags into its GPU blocks, a store's (fence-captured) tags to host."""
+        job = item.job
+        if item.is_load:
+            for bid, slot in zip(job.gpu_blocks, job.host_slots):
+                self.gpu[bid] = self.host.get(slot)
+            self.loads_done += 1
+        else:
+            data = item.captured or [self.gpu.get(b) for b in job.gpu_blocks]
+            for tag, slot in zip(data, job.host_slots):
+                self.host[slot] = tag
+            self.stores_done += 1
+
+    def _release_delayed_free(self) -> set[str]:
+        """Finished requests none of whose stores is still in flight (their `finished_sending`)."""
         pending_reqs = {i.job.request_id for i in self.inflight if not i.is_load}
         sending = {rid for rid in self.delayed_free if rid not in pending_reqs}
         self.delayed_free -= sending
-        meta = OffloadWorkerMetadata(stores_done=done_stores) if done_stores else None
-        return sending, recving, meta
+        return sending
 
 
 @dataclass

@@ -112,33 +112,23 @@ class FaultyTagCopyEngine(TagCopyEngine):
                 continue
             job = item.job
             failed = job.job_id in self.failed_jobs
+            if not failed:
+                self._land(item)
             if item.is_load:
                 if failed:
                     self._failed_recving.add(job.request_id)
                     self.loads_failed += 1
-                else:
-                    for bid, slot in zip(job.gpu_blocks, job.host_slots):
-                        self.gpu[bid] = self.host.get(slot)
-                    self.loads_done += 1
                 recving.add(job.request_id)
+            elif failed:
+                failed_stores.append(job.job_id)
+                self.stores_failed += 1
             else:
-                if failed:
-                    failed_stores.append(job.job_id)
-                    self.stores_failed += 1
-                else:
-                    data = item.captured or [self.gpu.get(b) for b in job.gpu_blocks]
-                    for tag, slot in zip(data, job.host_slots):
-                        self.host[slot] = tag
-                    done_stores.append(job.job_id)
-                    self.stores_done += 1
+                done_stores.append(job.job_id)
             self.completed.append((step, "load" if item.is_load else "store", job, not failed))
         self.inflight = still
-        pending_reqs = {i.job.request_id for i in self.inflight if not i.is_load}
-        sending = {rid for rid in self.delayed_free if rid not in pending_reqs}
-        self.delayed_free -= sending
         meta = (OffloadWorkerMetadata(stores_done=done_stores, stores_failed=failed_stores)
                 if done_stores or failed_stores else None)
-        return sending, recving, meta
+        return self._release_delayed_free(), recving, meta
 
     def take_failed_recving(self) -> set[str]:
         """Load failures since the last call (the driver passes them to vLLM as `failed_recving`)."""
