@@ -79,26 +79,28 @@ def allocate_host_tier(num_slots: int, slot_bytes: int, *, pin: bool,
                        register_chunk_bytes: int = REGISTER_CHUNK_BYTES) -> HostTier:
     """Allocate the host tier arena.
 
-    pin=True: anonymous mmap (page aligned, transparent huge pages advised) registered with CUDA; falls back to
-    pageable memory with a warning when registration fails. pin=False: plain torch memory (vLLM's CPU backend).
+    Both: an anonymous mmap, page aligned, with transparent huge pages advised (a random page gather then misses
+    the TLB once per 2 MiB instead of once per 4 KiB; measured on the CPU backend's 16 KiB pages: about +0.1 of
+    memmove speed). pin=True also registers it with CUDA, falling back to pageable memory with a warning when
+    registration fails; pin=False (vLLM's CPU backend) leaves it pageable.
     """
     for name, value in (("num_slots", num_slots), ("slot_bytes", slot_bytes),
                         ("register_chunk_bytes", register_chunk_bytes)):
         if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
             raise ValueError(f"{name} must be a positive int, got {value!r}")
     nbytes = num_slots * slot_bytes
-    if not pin:
-        return HostTier(tensor=torch.empty((num_slots, slot_bytes), dtype=torch.uint8), pinned=False)
     mm = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS,
                    prot=mmap.PROT_READ | mmap.PROT_WRITE)
     if hasattr(mmap, "MADV_HUGEPAGE"):
         try:
             mm.madvise(mmap.MADV_HUGEPAGE)
         except OSError:
-            pass  # THP disabled: 4 KiB pages only cost registration time
+            pass  # THP disabled: 4 KiB pages cost registration time and TLB misses, nothing else
     # torch.frombuffer keeps `mm` alive for as long as any view of the arena exists.
     flat = torch.frombuffer(mm, dtype=torch.uint8)
     tensor = flat.view(num_slots, slot_bytes)
+    if not pin:
+        return HostTier(tensor=tensor, pinned=False, _mmap=mm)
     registered, why = _register(tensor.data_ptr(), nbytes, register_chunk_bytes)
     if why is not None:
         logger.warning("offload_connector: pinning the %d-byte host tier failed (%s); using pageable memory, "

@@ -1,7 +1,8 @@
-"""Reference backend: the semantics every other backend must match, and the CPU-backend data path.
+"""Reference backend: the semantics every other backend must match, and the CPU-backend path without a C compiler.
 
 Two bodies with one meaning:
-- both sides in host memory (vLLM's CPU backend): one memcpy per (tensor, page), as a slice assignment between
+- both sides in host memory (vLLM's CPU backend; the compiled `host` backend in host_copy.py is about twice as fast
+  and is what "auto" picks when it builds): one memcpy per (tensor, page), as a slice assignment between
   memoryviews over each tensor's bytes. Measured on this 2-core VM: torch's `index_copy_` moves uint8 rows element
   by element (2-20 % of memcpy speed), `index_select` + a scatter and numpy fancy indexing make two passes (20-55 %),
   a `ctypes.memmove` per page costs ~2 us of call overhead; a memoryview slice assignment costs ~0.6 us and is

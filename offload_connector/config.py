@@ -9,7 +9,7 @@ RESERVATION_MODES = ("exact", "vllm")
 EVICTION_POLICIES = ("lru",)
 DEFERRAL_FALLBACKS = ("recompute",)
 # Worker copy backends (offload_connector.kernels): "auto" calibrates on CUDA and uses the torch reference on CPU.
-TRANSFER_BACKENDS = ("auto", "reference", "kernel", "batch", "per_page")
+TRANSFER_BACKENDS = ("auto", "reference", "kernel", "batch", "per_page", "host")
 
 
 class ConfigError(ValueError):

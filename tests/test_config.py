@@ -22,7 +22,7 @@ def test_defaults_and_suffixes():
     ({"cpu_bytes": 10, "max_deferral_steps": 0}, "'max_deferral_steps' must be a positive integer"),
     ({"cpu_bytes": 10, "cpu_bytes_to_use": 5}, "unknown key(s) ['cpu_bytes_to_use']"),
     ({"cpu_bytes": 10, "transfer_backend": "dma"},
-     "'transfer_backend' must be one of ['auto', 'reference', 'kernel', 'batch', 'per_page']"),
+     "'transfer_backend' must be one of ['auto', 'reference', 'kernel', 'batch', 'per_page', 'host']"),
     ({"cpu_bytes": 10, "debug_corrupt_load": "yes"}, "'debug_corrupt_load' must be true or false"),
     ({"cpu_bytes": 10, "stall_watchdog_steps": -1}, "'stall_watchdog_steps' must be a positive integer"),
     ({"cpu_bytes": 10, "load_timeout_s": -1}, "'load_timeout_s' must be a number of seconds >= 0"),

@@ -170,9 +170,9 @@ def _cpu_layout():
     return dev, host, [[0]]
 
 
-def test_auto_on_cpu_is_reference():
+def test_auto_on_cpu_is_the_host_backend():
     dev, host, segs = _cpu_layout()
-    assert make_copier("auto", dev, host, segs, device=torch.device("cpu")).name == "reference"
+    assert make_copier("auto", dev, host, segs, device=torch.device("cpu")).name == "host"
 
 
 @pytest.mark.skipif(HAS_CUDA, reason="checks the no-GPU error path")
@@ -223,7 +223,7 @@ def test_forced_backend_parsing_and_tie_break():
     assert pick_fastest({"kernel": 1.0, "batch": 1.04}) == "batch"
     assert pick_fastest({"kernel": 1.0, "batch": 1.2}) == "kernel"
     assert pick_fastest({}) == "reference"
-    assert BACKENDS == ("auto", "reference", "kernel", "batch", "per_page")
+    assert BACKENDS == ("auto", "reference", "kernel", "batch", "per_page", "host")
 
 
 def test_driver_helpers_fail_cleanly_without_driver():

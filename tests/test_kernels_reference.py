@@ -161,9 +161,9 @@ def test_random_fuzz_both_directions():
 def test_make_copier_cpu_auto_and_reference():
     gen = torch.Generator().manual_seed(8)
     dev, host, segs = _layout(gen)
-    for backend in ("auto", "reference"):
+    for backend, name in (("auto", "host"), ("reference", "reference"), ("host", "host")):
         c = make_copier(backend, dev, host, segs, device=torch.device("cpu"))
-        assert isinstance(c, ReferenceCopier) and c.name == "reference"
+        assert c.name == name and isinstance(c, ReferenceCopier) == (name == "reference")
         done = c.copy("h2d", [None, None])
         assert done.query()
 
@@ -220,7 +220,7 @@ def test_layout_validation():
 def test_backend_name_validation():
     dev, host, segs = _small()
     with pytest.raises(ValueError, match=r"backend 'fast' is not one of \('auto', 'reference', 'kernel', 'batch', "
-                                         r"'per_page'\)"):
+                                         r"'per_page', 'host'\)"):
         make_copier("fast", dev, host, segs, device=torch.device("cpu"))
 
 
