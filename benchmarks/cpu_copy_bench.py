@@ -26,7 +26,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from offload_connector.kernels import ReferenceCopier, allocate_host_tier  # noqa: E402
-from offload_connector.kernels.host_copy import HostCopier  # noqa: E402
+from offload_connector.kernels.host_copy import ISAS, HostCopier  # noqa: E402
 
 
 def _timed(fn) -> float:
@@ -50,7 +50,8 @@ def _fill(t: torch.Tensor, gen: torch.Generator) -> None:
         t[:, :8] = torch.arange(t.shape[0], dtype=torch.int64).view(-1, 1).view(torch.uint8).view(-1, 8)
 
 
-def run(page: int, total_bytes: int, tensors: int, pad: int, repeats: int, seed: int) -> list[dict]:
+def run(page: int, total_bytes: int, tensors: int, pad: int, repeats: int, seed: int,
+        isa: str | None = None) -> list[dict]:
     blocks = max(1, total_bytes // (page * tensors))
     nbytes = blocks * page * tensors
     pool = 2 * blocks
@@ -62,7 +63,7 @@ def run(page: int, total_bytes: int, tensors: int, pad: int, repeats: int, seed:
     tier = allocate_host_tier(pool, page * tensors, pin=False)  # block-first arena, as the connector lays it out
     _fill(tier.tensor, gen)
     host = [tier.tensor[:, t * page:(t + 1) * page] for t in range(tensors)]
-    copiers = {"host": HostCopier(dev, host, [list(range(tensors))]),
+    copiers = {"host": HostCopier(dev, host, [list(range(tensors))], isa=isa),
                "reference": ReferenceCopier(dev, host, [list(range(tensors))])}
     rng = np.random.default_rng(seed)
     host_ids = rng.permutation(pool)[:blocks].astype(np.int64)
@@ -124,6 +125,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--pad", type=int, default=256, help="device row stride minus page bytes")
     p.add_argument("--repeats", type=int, default=7)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--isa", choices=ISAS, help="force the host backend's store path (default: the best this CPU has)")
     p.add_argument("--json", type=Path, help="also write the rows as JSON here")
     a = p.parse_args(argv)
     pages = [int(x) for x in a.pages.split(",") if x]
@@ -139,7 +141,7 @@ def main(argv: list[str] | None = None) -> int:
           "(GB/s; ratio = vs the faster large copy)")
     rows = []
     for page in pages:
-        for r in run(page, a.total_mib << 20, a.tensors, a.pad, a.repeats, a.seed):
+        for r in run(page, a.total_mib << 20, a.tensors, a.pad, a.repeats, a.seed, a.isa):
             rows.append(r)
             print(f"{r['direction']:4} {page:>8} {r['blocks']:>7} {r['host_gbps']:>7.2f} {r['reference_gbps']:>10.2f} "
                   f"{r['large_copy_memmove_gbps']:>8.2f} {r['large_copy_torch_gbps']:>12.2f} "

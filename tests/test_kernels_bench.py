@@ -92,3 +92,6 @@ def test_cpu_copy_bench_runs_and_verifies(tmp_path):
         assert r["host_verified"] and r["reference_verified"], r
         assert r["host_ratio_to_large_copy"] > 0 and r["reference_ratio_to_large_copy"] > 0
         assert r["isa"] in ("memcpy", "sse2", "avx2", "avx512")
+    assert cb.main(["--pages", "4096", "--total-mib", "1", "--tensors", "2", "--repeats", "1", "--isa", "memcpy",
+                    "--json", str(out)]) == 0
+    assert {r["isa"] for r in json.loads(out.read_text())} == {"memcpy"}
