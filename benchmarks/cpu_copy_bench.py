@@ -87,6 +87,7 @@ def run(page: int, total_bytes: int, tensors: int, pad: int, repeats: int, seed:
         times: dict[str, list[float]] = {k: [] for k in fns}
         ratios: dict[str, list[float]] = {k: [] for k in copiers}
         ratios_torch: dict[str, list[float]] = {k: [] for k in copiers}
+        ratios_mm: dict[str, list[float]] = {k: [] for k in copiers}
         for _ in range(repeats):
             t = {k: _timed(fn) for k, fn in fns.items()}
             for k, v in t.items():
@@ -94,6 +95,7 @@ def run(page: int, total_bytes: int, tensors: int, pad: int, repeats: int, seed:
             for k in copiers:
                 ratios[k].append(min(t["memmove"], t["torch"]) / t[k])
                 ratios_torch[k].append(t["torch"] / t[k])
+                ratios_mm[k].append(t["memmove"] / t[k])
         hi = torch.from_numpy(host_ids)
         di = torch.from_numpy(dev_ids)
         verified = {}
@@ -112,6 +114,7 @@ def run(page: int, total_bytes: int, tensors: int, pad: int, repeats: int, seed:
             row[f"{k}_gbps"] = nbytes / med(times[k]) / 1e9
             row[f"{k}_ratio_to_large_copy"] = med(ratios[k])
             row[f"{k}_ratio_to_torch_copy"] = med(ratios_torch[k])
+            row[f"{k}_ratio_to_memmove"] = med(ratios_mm[k])
             row[f"{k}_verified"] = bool(verified[k])
         rows.append(row)
     return rows
@@ -137,7 +140,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"# {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__} "
           f"({torch.get_num_threads()} threads), {a.total_mib} MiB per call, {a.tensors} tensors, pad {a.pad}")
     print(f"{'dir':4} {'page':>8} {'blocks':>7} {'host':>7} {'reference':>10} {'memmove':>8} {'torch copy_':>12} "
-          f"{'host ratio':>11} {'ref ratio':>10} {'host vs copy_':>14} verified   "
+          f"{'host ratio':>11} {'ref ratio':>10} {'host vs memmove':>16} {'host vs copy_':>14} verified   "
           "(GB/s; ratio = vs the faster large copy)")
     rows = []
     for page in pages:
@@ -146,6 +149,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{r['direction']:4} {page:>8} {r['blocks']:>7} {r['host_gbps']:>7.2f} {r['reference_gbps']:>10.2f} "
                   f"{r['large_copy_memmove_gbps']:>8.2f} {r['large_copy_torch_gbps']:>12.2f} "
                   f"{r['host_ratio_to_large_copy']:>11.2f} {r['reference_ratio_to_large_copy']:>10.2f} "
+                  f"{r['host_ratio_to_memmove']:>16.2f} "
                   f"{r['host_ratio_to_torch_copy']:>14.2f} {r['host_verified'] and r['reference_verified']}")
     print(f"# host backend store path: {rows[0]['isa'] if rows else '-'}")
     if a.json:
