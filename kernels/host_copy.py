@@ -90,7 +90,7 @@ def load_library() -> ctypes.CDLL:
         if not path.exists():
             try:
                 _compile(cc, path)
-            except PermissionError:
+            except OSError:  # cache dir not writable (read-only home, foreign owner): build in a private temp dir
                 path = Path(tempfile.mkdtemp(prefix="offload-connector-")) / path.name
                 _compile(cc, path)
         try:

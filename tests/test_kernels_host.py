@@ -136,6 +136,16 @@ def test_library_is_cached_by_source_and_compiler(tmp_path, monkeypatch):
     assert [p.name for p in path.parent.iterdir()] == [path.name]  # no temporary files left behind
 
 
+def test_an_unwritable_cache_dir_builds_in_a_temp_dir(tmp_path, monkeypatch):
+    blocker = tmp_path / "not-a-dir"
+    blocker.write_text("")
+    monkeypatch.setenv(host_copy.ENV_CACHE_DIR, str(blocker))  # mkdir of not-a-dir/host_copy fails
+    host_copy._loaded.clear()
+    lib = host_copy.load_library()
+    assert lib.oc_best_isa() in range(len(host_copy.ISAS))
+    assert not host_copy.library_path().exists()
+
+
 def test_without_a_compiler_auto_falls_back_and_host_is_a_clear_error(tmp_path, monkeypatch, caplog):
     monkeypatch.setenv(host_copy.ENV_CACHE_DIR, str(tmp_path))
     monkeypatch.setenv("CC", "no-such-cc-offload")
