@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
+import subprocess
 import sys
 from pathlib import Path
 
@@ -95,3 +97,12 @@ def test_cpu_copy_bench_runs_and_verifies(tmp_path):
     assert cb.main(["--pages", "4096", "--total-mib", "1", "--tensors", "2", "--repeats", "1", "--isa", "memcpy",
                     "--json", str(out)]) == 0
     assert {r["isa"] for r in json.loads(out.read_text())} == {"memcpy"}
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU refusal")
+def test_gpu_check_refuses_cleanly_without_a_gpu(tmp_path):
+    proc = subprocess.run(["bash", str(ROOT / "scripts" / "gpu-check"), str(tmp_path / "out")], capture_output=True,
+                          text=True, timeout=120, env={**os.environ, "PYTHON": sys.executable})
+    assert proc.returncode == 2, proc.stderr
+    assert "[gpu-check] FAIL: no CUDA device visible to torch" in proc.stderr
+    assert not (tmp_path / "out" / "bench").exists()
