@@ -71,7 +71,7 @@ def _compile(cc: list[str], out: Path) -> None:
             raise HostCopyUnavailable(f"{' '.join(cc)} failed on {SOURCE.name} (exit {proc.returncode}): "
                                       f"{(proc.stderr or proc.stdout).strip()[-2000:]}")
         os.replace(tmp, out)
-    except OSError as exc:
+    except (OSError, subprocess.TimeoutExpired) as exc:
         raise HostCopyUnavailable(f"compiling {SOURCE.name} with {' '.join(cc)} failed: {exc}") from exc
     finally:
         if os.path.exists(tmp):

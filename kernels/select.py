@@ -1,9 +1,9 @@
 """Backend choice: `make_copier` builds the named backend, or for "auto" the best one per direction.
 
 "auto" on a CPU device is the compiled host path (`host_copy.py`), or the reference path when no C compiler is
-there. On CUDA it runs a short calibration on scratch
-buffers shaped like the real layout (never on the caller's pages, which may already hold data), per direction, and
-keeps the fastest backend; the DMA backend wins ties within 5 % because it leaves the SMs to the forward pass.
+there. On CUDA it runs a short calibration on scratch buffers shaped like the real layout (never on the caller's
+pages, which may already hold data), per direction, and keeps the fastest backend; the DMA backend wins ties
+within 5 % because it leaves the SMs to the forward pass.
 `OFFLOAD_CONNECTOR_COPY_BACKEND` forces a choice for "auto": one backend name, or "h2d=kernel,d2h=batch".
 """
 from __future__ import annotations
@@ -118,7 +118,7 @@ def _host_or_reference(device_pages: Sequence[torch.Tensor], host_pages: Sequenc
         return HostCopier(device_pages, host_pages, segments)
     except HostCopyUnavailable as exc:
         logger.warning("offload_connector: compiled host copy unavailable (%s); using the reference path, "
-                       "about half as fast for small pages", exc)
+                       "about half as fast", exc)
         return ReferenceCopier(device_pages, host_pages, segments)
 
 
