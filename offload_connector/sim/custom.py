@@ -10,9 +10,24 @@ import math
 from typing import Any, Sequence
 
 import offload_connector.sim  # noqa: F401  (platform environment first)
+from offload_connector.groups import cdiv
 from offload_connector.sim.layouts import build_vllm_config
 
 GroupDesc = tuple[str, int, int]  # kind, block size, sliding window / attention chunk (0 for full)
+
+
+def cold_need(groups: Sequence[GroupDesc], length: int, in_flight: int) -> int:
+    """Blocks a request of `length` tokens holds across `groups` when nothing is shared, with `in_flight` tokens
+    scheduled past a sliding window or chunk (what sizes a pool that can always run one such request)."""
+    total = 0
+    for kind, bs, extent in groups:
+        blocks = cdiv(length + 1, bs)
+        if kind in ("sliding", "sliding_mla"):
+            blocks = min(blocks, cdiv(extent - 1 + in_flight, bs) + 1)
+        elif kind == "chunked":
+            blocks = min(blocks, cdiv(extent + in_flight, bs))
+        total += blocks
+    return total
 
 
 def make_spec(kind: str, block_size: int, extent: int) -> Any:

@@ -55,6 +55,9 @@ class TagCopyEngine:
             self.inflight.append(_InFlight(step + self.latency, job, False))
         for job in meta.loads:
             self.inflight.append(_InFlight(step + self.latency, job, True))
+        self._take_delayed_free_and_fences(meta)
+
+    def _take_delayed_free_and_fences(self, meta: OffloadMetadata) -> None:
         self.delayed_free.update(meta.delayed_free)
         if meta.store_fences:
             # The real worker waits for these stores before the forward; here they read their blocks now.

@@ -71,13 +71,7 @@ class FaultyTagCopyEngine(TagCopyEngine):
             self.submitted.append((step, "load", job))
             if self.fail_load is not None and self.fail_load(job):
                 self.failed_jobs.add(job.job_id)
-        self.delayed_free.update(meta.delayed_free)
-        if meta.store_fences:
-            fenced = set(meta.store_fences)
-            for item in self.inflight:
-                if not item.is_load and item.job.job_id in fenced and item.captured is None:
-                    item.captured = [self.gpu.get(b) for b in item.job.gpu_blocks]
-            self.fenced += len(fenced)
+        self._take_delayed_free_and_fences(meta)
 
     # ---------------------------------------------------------------- control
     def hold(self, job_ids: set[int]) -> None:
@@ -378,20 +372,6 @@ class LifecycleOutcome:
     finished: int = 0
 
 
-def _cold_need(groups, length: int, in_flight: int) -> int:
-    from offload_connector.groups import cdiv
-
-    total = 0
-    for kind, bs, extent in groups:
-        blocks = cdiv(length + 1, bs)
-        if kind in ("sliding", "sliding_mla"):
-            blocks = min(blocks, cdiv(extent - 1 + in_flight, bs) + 1)
-        elif kind == "chunked":
-            blocks = min(blocks, cdiv(extent + in_flight, bs))
-        total += blocks
-    return total
-
-
 def build_case_driver(case: LifecycleCase) -> tuple[SchedulerDriver, int]:
     """`sim.custom.build_custom`, with vLLM's GPU prefix cache optional."""
     import copy
@@ -402,13 +382,13 @@ def build_case_driver(case: LifecycleCase) -> tuple[SchedulerDriver, int]:
     from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
     from vllm.v1.structured_output import StructuredOutputManager
 
-    from offload_connector.sim.custom import make_spec
+    from offload_connector.sim.custom import cold_need, make_spec
     from offload_connector.sim.layouts import build_vllm_config
     from offload_connector.sim.scenarios import connector_config
 
     groups = LAYOUTS[case.layout]
     longest = max(keep + new + max_tokens for _b, keep, new, max_tokens in case.requests)
-    num_blocks = int(_cold_need(groups, longest, 2 * case.max_num_batched_tokens) * case.pool_factor) + 2
+    num_blocks = int(cold_need(groups, longest, 2 * case.max_num_batched_tokens) * case.pool_factor) + 2
     slot_bytes = 2 * max(bs for _, bs, _ in groups) * 64 * 2
     kvt = connector_config("exact", case.cpu_slots * slot_bytes)
     kvt.kv_load_failure_policy = "recompute"

@@ -5,8 +5,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass, field
 
-from offload_connector.groups import cdiv
-from offload_connector.sim.custom import GroupDesc, build_custom
+from offload_connector.sim.custom import GroupDesc, build_custom, cold_need
 from offload_connector.sim.driver import LoadContentError, SchedulerDriver, TagCopyEngine
 from offload_connector.sim.requests import make_request, tokens
 from offload_connector.sim.scenarios import connector_config
@@ -95,17 +94,8 @@ def random_case(rng: random.Random) -> FuzzCase:
 
 
 def _cold_need(case: FuzzCase, length: int, in_flight: int) -> int:
-    total = 0
     # The first decode step takes 1 + k slots (+ lookahead) past the prompt.
-    length += case.num_spec_tokens + lookahead_tokens(case)
-    for kind, bs, extent in case.groups:
-        blocks = cdiv(length + 1, bs)
-        if kind in ("sliding", "sliding_mla"):
-            blocks = min(blocks, cdiv(extent - 1 + in_flight, bs) + 1)
-        elif kind == "chunked":
-            blocks = min(blocks, cdiv(extent + in_flight, bs))
-        total += blocks
-    return total
+    return cold_need(case.groups, length + case.num_spec_tokens + lookahead_tokens(case), in_flight)
 
 
 def run_case(case: FuzzCase, max_steps: int = 20_000) -> FuzzOutcome:
