@@ -21,15 +21,17 @@ from offload_connector.replay.engines import (TimedFakeOffloadingWorker, TimedTa
                                              block_id_bytes, spec_bytes)
 from offload_connector.replay.metrics import Recorder
 from offload_connector.replay.timemodel import SimClock
-from offload_connector.sim.driver import SchedulerDriver
+from offload_connector.sim.driver import SchedulerDriver, StepRecord
 from offload_connector.sim.layouts import build_scheduler, build_sim_model, build_vllm_config
 from offload_connector.sim.scenarios import connector_config
 
-__all__ = ["CONNECTORS", "EngineSettings", "ReplayEngine", "StepObs"]
+__all__ = ["CONNECTORS", "EngineSettings", "ReplayEngine"]
 
 
 @dataclass(frozen=True)
 class EngineSettings:
+    """The simulated engine's shape; the replay and soak commands' configs extend it."""
+
     model: str
     num_gpu_blocks: int
     cpu_bytes: int
@@ -37,19 +39,6 @@ class EngineSettings:
     max_model_len: int
     max_num_seqs: int
     check_loads: bool = True
-
-
-@dataclass(frozen=True)
-class StepObs:
-    scheduled_tokens: int
-    running: int
-    waiting: int
-    free_blocks: int
-    transfers_in_flight: bool
-
-    @property
-    def idle_while_waiting(self) -> bool:
-        return self.scheduled_tokens == 0 and self.waiting > 0 and not self.transfers_in_flight
 
 
 class ReplayEngine:
@@ -197,17 +186,17 @@ class ReplayEngine:
         s = self.sched
         return len(s.waiting) + len(getattr(s, "kv_holding_waiting", ()) or ())
 
-    def step(self) -> StepObs:
+    def step(self) -> StepRecord:
         rec = self.driver.step()
         if isinstance(self.driver, SchedulerDriver):
-            obs = StepObs(rec.scheduled_tokens, rec.running, rec.waiting, rec.free_blocks, rec.transfers_in_flight)
+            obs = rec
         else:
             landed = getattr(self.sched, "finished_recving_kv_req_ids", set())
             in_flight = self.driver.worker.pending() or self.conn.has_pending_push_work() or any(
                 r.status.name == "WAITING_FOR_REMOTE_KVS" and r.request_id not in landed
                 for r in self.sched.requests.values())
-            obs = StepObs(rec.total_num_scheduled_tokens, len(self.sched.running), self.waiting_count(),
-                          self.driver.pool.get_num_free_blocks(), bool(in_flight))
+            obs = StepRecord(self.step_no, rec.total_num_scheduled_tokens, len(self.sched.running),
+                             self.waiting_count(), self.driver.pool.get_num_free_blocks(), bool(in_flight))
         self.recorder.on_step(self.clock.now, obs.free_blocks, obs.running, obs.waiting, self.group_live())
         return obs
 

@@ -20,22 +20,15 @@ from offload_connector.replay.trace import PromptBuilder, TraceRecord, clip_to_m
 from offload_connector.replay.workloads import Workload
 
 
-@dataclass(frozen=True)
-class ReplayConfig:
-    model: str
+@dataclass(frozen=True, kw_only=True)
+class ReplayConfig(EngineSettings):
     connectors: tuple[str, ...]
-    num_gpu_blocks: int
-    cpu_bytes: int
-    max_num_batched_tokens: int
-    max_model_len: int
-    max_num_seqs: int
     time_model: TimeModel
     seed: int = 0
     stall_steps: int = 200
     max_steps: int = 200_000
     limit: int | None = None  # replay only the first N requests (arrival order)
     time_scale: float = 1.0  # multiply trace timestamps (>1 spreads arrivals out)
-    check_loads: bool = True
 
     def __post_init__(self) -> None:
         bad = [c for c in self.connectors if c not in CONNECTORS]
@@ -84,8 +77,7 @@ def run_connector(kind: str, records: Sequence[TraceRecord], cfg: ReplayConfig,
                   progress: Progress | None = None) -> RunOutput:
     clock = SimClock(cfg.time_model)
     # Building the scheduler is timed apart: the first build in a process also pays vLLM's model inspection.
-    eng = ReplayEngine(kind, EngineSettings(cfg.model, cfg.num_gpu_blocks, cfg.cpu_bytes, cfg.max_num_batched_tokens,
-                                            cfg.max_model_len, cfg.max_num_seqs, cfg.check_loads), clock)
+    eng = ReplayEngine(kind, cfg, clock)
     wall0 = time.time()
     from offload_connector.sim.requests import make_request
 

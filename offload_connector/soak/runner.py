@@ -34,15 +34,9 @@ from offload_connector.replay.timemodel import SimClock, TimeModel
 from offload_connector.sim.faults import FaultyTagCopyEngine
 
 
-@dataclass(frozen=True)
-class SoakConfig:
-    model: str
+@dataclass(frozen=True, kw_only=True)
+class SoakConfig(EngineSettings):
     sim_seconds: float
-    num_gpu_blocks: int
-    cpu_bytes: int
-    max_num_batched_tokens: int
-    max_model_len: int
-    max_num_seqs: int
     time_model: TimeModel
     seed: int = 0
     abort_rate: float = 0.05
@@ -186,9 +180,7 @@ def run_soak(cfg: SoakConfig, progress: Progress | None = None) -> SoakResult:
     records = soak_records(cfg.model, cfg.sim_seconds, cfg.seed)
     clock = SimClock(cfg.time_model)
     fault_rng = random.Random(cfg.seed ^ 0xFA11)
-    eng = SoakEngine(EngineSettings(cfg.model, cfg.num_gpu_blocks, cfg.cpu_bytes, cfg.max_num_batched_tokens,
-                                    cfg.max_model_len, cfg.max_num_seqs, True), clock, fault_rng,
-                     cfg.load_failure_rate, cfg.store_failure_rate)
+    eng = SoakEngine(cfg, clock, fault_rng, cfg.load_failure_rate, cfg.store_failure_rate)
     drv, side, sched, engine = eng.driver, eng.side, eng.sched, eng.engine
     res.settings["num_blocks"] = sched.kv_cache_config.num_blocks
     res.settings["cpu_tier_slots"] = side.tier.capacity_slots
