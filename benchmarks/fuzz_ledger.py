@@ -1,6 +1,8 @@
 """Fuzz the exact reservation ledger on vLLM's real scheduler: random layouts, pools, request mixes, arrival orders.
 
-Every example checks: the predicted per-group blocks of each admitted load equal what vLLM allocated; no step
+Every example checks: the predicted per-group blocks of each admitted load equal what vLLM allocated; no request
+ever holds more blocks in a group than the ledger reserved for it (per admitted load through its first decode step,
+and per ledger row every step); no step
 schedules zero tokens while requests wait and no transfer is in flight; the run drains and the pool returns to
 num_blocks - 1 free; loaded blocks hold the contents that were stored. Speculative decoding settings are drawn per
 example (0/1/2/4 drafts; CPU n-gram on a synchronous engine, GPU n-gram, a draft model or EAGLE under async
@@ -34,7 +36,7 @@ def main() -> int:
     except ImportError:  # pragma: no cover
         tqdm = None
     rng = random.Random(args.seed)
-    totals = {"examples": 0, "mismatches": 0, "stalls": 0, "idle_zero_token_steps": 0, "undrained": 0,
+    totals = {"examples": 0, "mismatches": 0, "peak_violations": 0, "loads_peak_checked": 0, "stalls": 0, "idle_zero_token_steps": 0, "undrained": 0,
               "errors": 0, "admitted_loads": 0, "loaded_tokens": 0, "deferrals": 0, "too_big": 0,
               "drafts_scheduled": 0, "drafts_accepted": 0}
     by_spec: dict[str, dict[str, int]] = {}
@@ -56,6 +58,8 @@ def main() -> int:
             failures.append({"case": repr(case), "error": repr(exc)})
             continue
         totals["mismatches"] += len(out.mismatches)
+        totals["peak_violations"] += len(out.peak_violations)
+        totals["loads_peak_checked"] += out.loads_peak_checked
         totals["stalls"] += out.stalls
         totals["idle_zero_token_steps"] += out.idle_zero_steps
         totals["undrained"] += out.undrained
@@ -66,10 +70,12 @@ def main() -> int:
         row["admitted_loads"] += out.admissions
         if not out.ok:
             row["failed"] += 1
-            failures.append({"case": repr(case), "mismatches": out.mismatches[:3], "stalls": out.stalls,
+            failures.append({"case": repr(case), "mismatches": out.mismatches[:3],
+                             "peak_violations": out.peak_violations[:3], "stalls": out.stalls,
                              "idle_zero_steps": out.idle_zero_steps, "undrained": out.undrained})
         if tqdm and i % 50 == 0:
-            bar.set_postfix(mismatch=totals["mismatches"], stalls=totals["stalls"], errors=totals["errors"])
+            bar.set_postfix(mismatch=totals["mismatches"], peak=totals["peak_violations"], stalls=totals["stalls"],
+                            errors=totals["errors"])
     totals["seconds"] = round(time.time() - start, 1)
     import vllm
     totals["vllm"] = vllm.__version__

@@ -6,6 +6,7 @@ from dataclasses import dataclass, fields
 from typing import Any, Mapping
 
 RESERVATION_MODES = ("exact", "vllm")
+ADMISSION_POLICIES = ("fair", "greedy")
 EVICTION_POLICIES = ("lru",)
 DEFERRAL_FALLBACKS = ("recompute",)
 # Worker copy backends (offload_connector.kernels): "auto" calibrates on CUDA and uses the torch reference on CPU.
@@ -23,6 +24,14 @@ class OffloadConfig:
     # "exact": our per-group ledger decides admission. "vllm": trust vLLM's own reservation (comparison only:
     # it stalls hybrid sliding-window models on vLLM 0.32/0.33).
     reservation: str = "exact"
+    # "fair": while a load is deferred for room, requests that arrived after it are held back whenever taking
+    # their blocks would leave it without that room, so a stream of newer requests cannot starve it. "greedy":
+    # every request is admitted as soon as it fits, whoever waits longer.
+    admission_policy: str = "fair"
+    # Sliding-window and chunked-local blocks are stored for the windows a later request can resume from: the last
+    # full block of every prompt, every boundary after it, prefixes found shared with an earlier request, and every
+    # this-many tokens inside a prompt (rounded down to a multiple of every group's block size; 0: no checkpoints).
+    window_checkpoint_tokens: int = 4096
     eviction: str = "lru"
     # A load that keeps being deferred for this many scheduler steps is given up and the prefix recomputed, so a
     # steady stream of ordinary admissions cannot starve it forever.
@@ -63,6 +72,13 @@ class OffloadConfig:
         }
         if "reservation" in extra:
             values["reservation"] = _choice("reservation", extra.pop("reservation"), RESERVATION_MODES)
+        if "admission_policy" in extra:
+            values["admission_policy"] = _choice("admission_policy", extra.pop("admission_policy"),
+                                                 ADMISSION_POLICIES)
+        if "window_checkpoint_tokens" in extra:
+            value = extra.pop("window_checkpoint_tokens")
+            values["window_checkpoint_tokens"] = 0 if value == 0 and not isinstance(value, bool) else \
+                _positive_int("window_checkpoint_tokens", value)
         if "eviction" in extra:
             values["eviction"] = _choice("eviction", extra.pop("eviction"), EVICTION_POLICIES)
         if "deferral_fallback" in extra:

@@ -54,9 +54,10 @@ class GroupInfo:
     sliding_window: int = 0
     extra_retained_tokens: int = 0
     chunk_size: int = 0
-    # vLLM's per-request cap on live blocks for recycling groups (None for full attention); it already includes
-    # the tokens of every in-flight batch under async scheduling.
-    admission_cap: int | None = None
+    # The most real blocks a request can hold at once in a recycling group (None for full attention), from
+    # `live_ceiling`. Not vLLM's `max_admission_blocks_per_request`, which leaves out lookahead slots and assumes the
+    # window starts anywhere in a block even where a chunk boundary cannot.
+    live_ceiling: int | None = None
 
     @property
     def recycling(self) -> bool:
@@ -102,8 +103,33 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def describe_groups(kv_cache_config: Any, max_in_flight_tokens: int, max_model_len: int) -> list[GroupInfo]:
-    """Read the scheduler-side `KVCacheConfig` into `GroupInfo`s; refuse layouts we cannot offload."""
+def live_ceiling(kind: GroupKind, block_size: int, extent: int, extra_retained_tokens: int,
+                 max_in_flight_tokens: int, lookahead_tokens: int) -> int | None:
+    """The most real blocks one request can hold at once in a recycling group; None for full attention.
+
+    vLLM frees out-of-window blocks on the processed-token basis (`remove_skipped_blocks` at computed minus
+    in-flight tokens `p`) and then allocates through computed + new + lookahead, where computed + new - p is at most
+    the tokens of every batch in flight. So a request holds the positions from `skipped(p)` through `p` + in-flight +
+    lookahead: `span` tokens after the first kept position, which sits `r` tokens into its block. The block count is
+    `cdiv(r + span, b)`, largest for the largest reachable `r`: any offset (b - 1) for a sliding window, whose start
+    moves one token at a time; only multiples of gcd(chunk, b) (at most b - gcd) for chunked local attention, whose
+    start is a multiple of the chunk.
+    """
+    if kind in (GroupKind.SLIDING, GroupKind.SLIDING_MLA):
+        span = extent - 1 + extra_retained_tokens + max_in_flight_tokens + lookahead_tokens
+        return cdiv(block_size - 1 + span, block_size)
+    if kind is GroupKind.CHUNKED:
+        span = extent - 1 + max_in_flight_tokens + lookahead_tokens
+        return cdiv(block_size - math.gcd(extent, block_size) + span, block_size)
+    return None
+
+
+def describe_groups(kv_cache_config: Any, max_in_flight_tokens: int, lookahead_tokens: int = 0) -> list[GroupInfo]:
+    """Read the scheduler-side `KVCacheConfig` into `GroupInfo`s; refuse layouts we cannot offload.
+
+    `max_in_flight_tokens`: tokens scheduled but not yet processed, over every batch in flight (vLLM's
+    `VllmConfig.max_in_flight_tokens`); `lookahead_tokens`: KV slots allocated past the scheduled tokens (draft
+    model / EAGLE)."""
     groups: list[GroupInfo] = []
     for index, group in enumerate(kv_cache_config.kv_cache_groups):
         spec = group.kv_cache_spec
@@ -114,19 +140,20 @@ def describe_groups(kv_cache_config: Any, max_in_flight_tokens: int, max_model_l
                 f"KV cache group {index} uses {name}, which offload_connector does not support (supported: "
                 f"{sorted(_KIND_BY_SPEC)}). Mamba/linear-attention, cross-attention and sparse-retention groups "
                 f"keep state that cannot be restored from prefix blocks.")
-        cap = None
-        if kind in (GroupKind.SLIDING, GroupKind.SLIDING_MLA, GroupKind.CHUNKED):
-            cap = spec.max_admission_blocks_per_request(max_in_flight_tokens, max_model_len)
+        window = getattr(spec, "sliding_window", None) or 0
+        extra = getattr(spec, "extra_retained_tokens", 0) or 0
+        chunk = getattr(spec, "attention_chunk_size", None) or 0
         groups.append(GroupInfo(
             index=index,
             kind=kind,
             block_size=spec.block_size,
             block_bytes=group_block_bytes(group, kv_cache_config),
             num_layers=len(group.layer_names),
-            sliding_window=getattr(spec, "sliding_window", None) or 0,
-            extra_retained_tokens=getattr(spec, "extra_retained_tokens", 0) or 0,
-            chunk_size=getattr(spec, "attention_chunk_size", None) or 0,
-            admission_cap=cap,
+            sliding_window=window,
+            extra_retained_tokens=extra,
+            chunk_size=chunk,
+            live_ceiling=live_ceiling(kind, spec.block_size, chunk if kind is GroupKind.CHUNKED else window, extra,
+                                      max_in_flight_tokens, lookahead_tokens),
         ))
     if not groups:
         raise UnsupportedLayoutError("the model has no KV cache groups; there is nothing to offload")
@@ -158,7 +185,3 @@ def check_against_manager(groups: Sequence[GroupInfo], managers: Sequence[Any]) 
                 raise UnsupportedLayoutError(
                     f"KV cache group {g.index}: vLLM skips {manager.get_num_skipped_tokens(n)} tokens at {n}, the "
                     f"connector expects {g.skipped_tokens(n)}")
-        cap = getattr(manager, "max_admission_blocks_per_request", None)
-        if g.recycling and cap is not None and cap != g.admission_cap:
-            raise UnsupportedLayoutError(
-                f"KV cache group {g.index}: vLLM caps live blocks at {cap}, the connector computed {g.admission_cap}")

@@ -38,7 +38,8 @@ _COUNTERS: dict[str, tuple[str, str]] = {
 _DEFERRALS = ("deferrals_total", (
     "Load decisions other than admitting the full hit now, by reason: pool_full (held back this step, does not fit "
     "next to in-flight loads), too_big (recomputed: could not fit even in an idle pool), aged_out (deferred too "
-    "long; the prefix is recomputed)."))
+    "long; the prefix is recomputed), held_for_older (admission_policy fair: held back this step so that an older "
+    "deferred load keeps its room)."))
 _GAUGES: dict[str, tuple[str, str]] = {
     m.TIER_USED: ("cpu_tier_used_blocks", "CPU-tier slots in use (one KV block of one group each)."),
     m.TIER_CAPACITY: ("cpu_tier_capacity_blocks", "CPU-tier slots in all."),

@@ -8,6 +8,8 @@ def test_defaults_and_suffixes():
     assert cfg.cpu_bytes == 64 * 10**9 and cfg.reservation == "exact"
     assert OffloadConfig.from_extra_config({"cpu_bytes": "512Mi"}).cpu_bytes == 512 * 2**20
     assert OffloadConfig.from_extra_config({"cpu_bytes": 1024.0}).cpu_bytes == 1024
+    assert cfg.admission_policy == "fair" and cfg.window_checkpoint_tokens == 4096
+    assert OffloadConfig.from_extra_config({"cpu_bytes": 1, "window_checkpoint_tokens": 0}).window_checkpoint_tokens == 0
 
 
 @pytest.mark.parametrize("extra, needle", [
@@ -29,6 +31,9 @@ def test_defaults_and_suffixes():
     ({"cpu_bytes": 10, "load_timeout_s": "5s"}, "'load_timeout_s' must be a number of seconds >= 0"),
     ({"cpu_bytes": 10, "debug_fail_load": 1}, "'debug_fail_load' must be true or false"),
     ({"cpu_bytes": 10, "debug_load_delay_steps": -2}, "'debug_load_delay_steps' must be a positive integer"),
+    ({"cpu_bytes": 10, "admission_policy": "fifo"}, "'admission_policy' must be one of ['fair', 'greedy']"),
+    ({"cpu_bytes": 10, "window_checkpoint_tokens": -1}, "'window_checkpoint_tokens' must be a positive integer"),
+    ({"cpu_bytes": 10, "window_checkpoint_tokens": 1.5}, "'window_checkpoint_tokens' must be a positive integer"),
 ])
 def test_bad_config_names_key_and_accepted_values(extra, needle):
     with pytest.raises(ConfigError) as err:

@@ -47,4 +47,4 @@ def test_mamba_layout_is_refused_with_reason():
                                                         dtype=torch.bfloat16)),
               KVCacheGroupSpec(["m"], MambaSpec(block_size=32, shapes=((4, 4),), dtypes=(torch.float32,)))]
     with pytest.raises(UnsupportedLayoutError, match="MambaSpec"):
-        describe_groups(KVCacheConfig(num_blocks=10, kv_cache_tensors=[], kv_cache_groups=groups), 2048, 4096)
+        describe_groups(KVCacheConfig(num_blocks=10, kv_cache_tensors=[], kv_cache_groups=groups), 2048)

@@ -219,7 +219,7 @@ def test_connector_sizes_deepseek_v4_host_slots_by_the_packed_block():
     from offload_connector.groups import describe_groups, group_block_bytes
 
     _, sim = _build(DSV4, 1_048_576, DSV4_BLOCKS)
-    sched = describe_groups(sim.kv_cache_config, 8192, sim.max_model_len)
+    sched = describe_groups(sim.kv_cache_config, 8192)
     wc = sim.worker_kv_cache_config
     worker = [group_block_bytes(g, wc) for g in wc.kv_cache_groups]
     # The worker sees the packed pages; the scheduler's per-layer representatives are capped by the block id.

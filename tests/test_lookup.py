@@ -4,7 +4,7 @@ from offload_connector.scheduler.lookup import BlockKeys, longest_hit
 
 def group(i, kind, bs, window=0, chunk=0):
     return GroupInfo(index=i, kind=kind, block_size=bs, block_bytes=1, num_layers=1, sliding_window=window,
-                     chunk_size=chunk, admission_cap=100)
+                     chunk_size=chunk, live_ceiling=100)
 
 
 FULL = group(0, GroupKind.FULL, 32)

@@ -54,6 +54,7 @@ def cases(draw):
 def test_exact_ledger_properties(case):
     outcome = run_case(case)
     assert outcome.mismatches == []
+    assert outcome.peak_violations == []
     assert outcome.stalls == 0
     assert outcome.idle_zero_steps == 0
     assert outcome.undrained == 0

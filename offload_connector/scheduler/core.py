@@ -12,10 +12,11 @@ from dataclasses import dataclass, field
 from typing import Any, Hashable
 
 from offload_connector.config import OffloadConfig
-from offload_connector.groups import GroupInfo, check_against_manager, describe_groups, hit_alignment
+from offload_connector.groups import GroupInfo, cdiv, check_against_manager, describe_groups, hit_alignment
 from offload_connector.metadata import OffloadMetadata, OffloadWorkerMetadata, TransferJob
 from offload_connector.metrics import OffloadStats, OffloadStatsSink
 from offload_connector.scheduler import ledger
+from offload_connector.scheduler.fairness import FairQueue
 from offload_connector.scheduler.lookup import BlockKeys, longest_hit
 from offload_connector.scheduler.tier_index import TierIndex
 from offload_connector.scheduler.watchdog import PoolHolder, StallReport, StallWatchdog
@@ -39,6 +40,7 @@ class _ReqState:
     pending_stores: set[int] = field(default_factory=set)
     finished: bool = False
     offered_hit: int = 0  # the hit (local + external) last offered to vLLM
+    counted_hit: bool = False  # its CPU hit is in counters.cpu_hit_tokens
 
 
 @dataclass
@@ -61,6 +63,10 @@ class SchedulerCounters:
     loaded_tokens: int = 0
     deferrals: int = 0
     deferral_timeouts: int = 0
+    held_for_older: int = 0  # steps a request waited behind an older deferred load (admission_policy "fair")
+    cpu_hit_tokens: int = 0  # tokens the tier could serve, counted once per request at its first lookup with a hit
+    aged_out_tokens: int = 0  # of those, tokens given up after max_deferral_steps and recomputed
+    too_big_tokens: int = 0  # of those, tokens recomputed because the request could not fit an idle pool
     too_big: int = 0
     stores: int = 0
     stored_blocks: int = 0
@@ -71,14 +77,14 @@ class OffloadScheduler:
     def __init__(self, config: OffloadConfig, vllm_config: Any, kv_cache_config: Any) -> None:
         self.config = config
         self.max_model_len = vllm_config.model_config.max_model_len
-        max_in_flight = _max_in_flight_tokens(vllm_config)
-        self.groups: list[GroupInfo] = describe_groups(kv_cache_config, max_in_flight, self.max_model_len)
-        self.alignment = hit_alignment(self.groups)
-        self.hash_block_size = getattr(kv_cache_config, "hash_block_size", None) or _gcd_block(self.groups)
-        self.num_blocks = kv_cache_config.num_blocks
         spec_cfg = getattr(vllm_config, "speculative_config", None)
         self.num_spec_tokens = getattr(spec_cfg, "num_speculative_tokens", 0) or 0 if spec_cfg else 0
         self.num_lookahead_tokens = getattr(vllm_config, "num_lookahead_tokens", 0) or 0
+        max_in_flight = _max_in_flight_tokens(vllm_config)
+        self.groups: list[GroupInfo] = describe_groups(kv_cache_config, max_in_flight, self.num_lookahead_tokens)
+        self.alignment = hit_alignment(self.groups)
+        self.hash_block_size = getattr(kv_cache_config, "hash_block_size", None) or _gcd_block(self.groups)
+        self.num_blocks = kv_cache_config.num_blocks
         pc = vllm_config.parallel_config
         self.reporters = max(1, pc.tensor_parallel_size * pc.pipeline_parallel_size)
         self.slot_bytes = max(g.block_bytes for g in self.groups)
@@ -88,6 +94,8 @@ class OffloadScheduler:
                 f"kv_connector_extra_config: 'cpu_bytes' ({config.cpu_bytes}) is smaller than one host block "
                 f"({self.slot_bytes} bytes for this model); give the CPU tier at least that much")
         self.tier = TierIndex(capacity, [g.block_bytes for g in self.groups])
+        policy = getattr(getattr(vllm_config, "scheduler_config", None), "policy", "fcfs")
+        self.fair = FairQueue(priority_policy=str(getattr(policy, "value", policy)) == "priority")
         self.counters = SchedulerCounters()
         self.stats = OffloadStatsSink()
         self.watchdog = StallWatchdog(config.stall_watchdog_steps)
@@ -135,16 +143,24 @@ class OffloadScheduler:
         if state is None:  # a request we were not told about (should not happen); track it now
             self.on_new_request(request)
             state = self._requests[request.request_id]
-        if state.no_load or request.request_id in self._loads:
+        if request.request_id in self._loads:
             return 0, False
+        if state.no_load:  # recomputing its prefix; still behind any older deferred load
+            return (None, False) if self._held_for_older(request, num_computed_tokens, num_computed_tokens) else (0, False)
         self.counters.lookups += 1
         # Leave at least one prompt token to compute: the step that computes it produces the first output.
         upper = request.num_tokens - 1
         hit = self._hit(request, upper)
         if hit - num_computed_tokens < self.config.min_load_tokens:
             state.deferred_since = None
+            self.fair.clear(request.request_id)
+            if self._held_for_older(request, num_computed_tokens, num_computed_tokens):
+                return None, False
             return 0, False
         self.counters.hits += 1
+        if not state.counted_hit:
+            state.counted_hit = True
+            self.counters.cpu_hit_tokens += hit - num_computed_tokens
         if self.config.reservation == "vllm":
             state.offered_hit = hit
             # Still computed and logged: the comparison shows what the exact ledger would have seen.
@@ -160,7 +176,10 @@ class OffloadScheduler:
         plan = self.plan_load(request, hit, local_blocks)
         verdict = ledger.decide(plan, self._pool.get_num_free_blocks(), self._watermark,
                                 self._reserved_by_others(request.request_id), self.num_blocks - 1)
+        if verdict is ledger.Verdict.ADMIT and self._held_for_older(request, local, hit, plan.total):
+            return None, False
         if verdict is ledger.Verdict.ADMIT:
+            self.fair.clear(request.request_id)
             state.deferred_since = None
             state.offered_hit = hit
             self.admissions.append(_Admission(request.request_id, self._step, plan, self._pool.get_num_free_blocks()))
@@ -169,7 +188,9 @@ class OffloadScheduler:
             if state.deferred_since is None:
                 state.deferred_since = self._step
             if self._step - state.deferred_since >= self.config.max_deferral_steps:
+                self.fair.clear(request.request_id)
                 self.counters.deferral_timeouts += 1
+                self.counters.aged_out_tokens += hit - local
                 self.stats.record_deferral("aged_out")
                 logger.warning("offload_connector: load of %d tokens for %s deferred %d steps; recomputing",
                                hit - local, request.request_id, self._step - state.deferred_since)
@@ -177,21 +198,50 @@ class OffloadScheduler:
                 return 0, False
             self.counters.deferrals += 1
             self.stats.record_deferral("pool_full")
+            if self.config.admission_policy == "fair":
+                self.fair.defer(request, plan.total)
             return None, False
         # TOO_BIG: the request's blocks through its prompt do not fit even an idle pool. A shorter hit would not
         # help: a load's total (now + remaining) is the request's need at its target minus the local blocks it
         # shares, whatever the hit length. Recompute: vLLM's chunked prefill recycles window blocks as it goes,
         # which a load admitted whole cannot.
+        self.fair.clear(request.request_id)
         self.counters.too_big += 1
+        self.counters.too_big_tokens += hit - local
         self.stats.record_deferral("too_big")
         state.no_load = True
         return 0, False
 
+    def _held_for_older(self, request: Any, local: int, hit: int, need: int | None = None) -> bool:
+        """Whether `request` must wait so that an older deferred load keeps the room it is waiting for.
+
+        `need` is what the request would take through its prompt (computed here for a request without a load).
+        It may go ahead only if the pool holds it, the older load's need and every other holder's remaining need."""
+        if self.config.admission_policy != "fair" or self.config.reservation != "exact":
+            return False
+        older = self.fair.oldest_ahead_of(request)
+        if older is None:
+            return False
+        if need is None:
+            need = self.plan_load(request, hit, self._local_blocks(request, local)).total
+        others = self._reserved_by_others(request.request_id)
+        if need + older.need + others + self._watermark <= self._pool.get_num_free_blocks():
+            return False
+        self.counters.held_for_older += 1
+        self.stats.record_deferral("held_for_older")
+        return True
+
     def _local_blocks(self, request: Any, local: int) -> list[list[Any]]:
+        """The local prefix-hit blocks vLLM adopts with a hit of `local` tokens.
+
+        Looked up with vLLM's own bound (`num_tokens - 1`), not `local`: a chunked-local lookup bounded at `local`
+        can stop at an evicted block inside the chunk and return fewer blocks than vLLM adopted. vLLM presents a
+        block-aligned local hit and trims its blocks to it, so each group's list is cut to the hit."""
         if local == 0:
             return [[] for _ in self.groups]
-        blocks, _ = self._kv_manager.coordinator.find_longest_cache_hit(request.block_hashes, local)[:2]
-        return [list(b) for b in blocks]
+        blocks = self._kv_manager.coordinator.find_longest_cache_hit(request.block_hashes,
+                                                                     request.num_tokens - 1)[0]
+        return [list(b)[: cdiv(local, g.block_size)] for g, b in zip(self.groups, blocks)]
 
     def plan_load(self, request: Any, hit: int, local_blocks: list[list[Any]]) -> ledger.LoadPlan:
         """Exact per-group blocks a load of `hit` tokens takes now and may still take through its prompt."""
@@ -202,7 +252,7 @@ class OffloadScheduler:
             now.append(taken)
             entries.append(n_entries)
             live.append(n_live)
-            remaining.append(ledger.remaining_blocks(g, target, n_entries, n_live))
+            remaining.append(ledger.remaining_blocks(g, target, n_entries, n_live, hit))
         return ledger.LoadPlan(hit, tuple(now), tuple(remaining), tuple(entries), tuple(live))
 
     def _target_tokens(self, request: Any) -> int:
@@ -223,11 +273,13 @@ class OffloadScheduler:
             if not self._in_prefill(request):
                 continue
             target = self._target_tokens(request)
+            # vLLM frees out-of-window blocks only up to the tokens whose batches have been processed.
+            processed = max(0, request.num_computed_tokens - getattr(request, "num_in_flight_tokens", 0))
             held, remaining = [], []
             for g, manager in zip(self.groups, self._managers):
                 entries, live = ledger.live_counts(manager.req_to_blocks.get(rid, ()))
                 held.append(live)
-                remaining.append(ledger.remaining_blocks(g, target, entries, live))
+                remaining.append(ledger.remaining_blocks(g, target, entries, live, processed))
             rows.append(ledger.LedgerRow(rid, str(getattr(request.status, "name", request.status)), tuple(held),
                                          tuple(remaining), rid in self._loads))
         return rows
@@ -377,6 +429,7 @@ class OffloadScheduler:
         if state is None:
             return False, None
         state.finished = True
+        self.fair.clear(rid)
         load = self._loads.pop(rid, None)
         if load is not None:
             # Aborted while its load was in flight: the copy still targets the request's blocks, which vLLM itself

@@ -8,8 +8,10 @@ chunk is never preempted. Here every quantity is counted from live blocks:
 * now       - blocks the load takes from the free pool at admission (vLLM's own allocation rule, including local
               prefix-hit blocks that leave the free queue when touched);
 * remaining - blocks the request may still take until its prompt is done and its first decode step has a slot:
-              full attention `cdiv(T, b) - len(blocks)`; recycling groups `min(cdiv(T, b), cap) - live`, where `live`
-              counts real (non-null) blocks and `cap` is vLLM's per-request ceiling on live blocks.
+              full attention `cdiv(T, b) - len(blocks)`; recycling groups `min(ceiling, cdiv(T, b) - first) - live`,
+              counted from `first`, the first block still inside the window (or chunk) at the tokens the request has
+              processed, because vLLM never allocates a block below it again; `ceiling` is the most real blocks a
+              request can hold at once (`groups.live_ceiling`) and `live` counts the real (non-null) blocks held.
 
 A load is admitted only if `now + remaining` fits in the free pool next to the remaining need of every request
 that already holds blocks and has not finished its prompt, plus vLLM's watermark.
@@ -24,14 +26,26 @@ from typing import Any, Iterable, Sequence
 from offload_connector.groups import GroupInfo, cdiv
 
 
-def remaining_blocks(group: GroupInfo, target_tokens: int, num_entries: int, num_live: int) -> int:
-    """Blocks a request holding `num_entries` block-table entries (`num_live` of them real) may still take."""
-    needed = cdiv(target_tokens, group.block_size)
+def peak_blocks(group: GroupInfo, target_tokens: int, processed_tokens: int) -> int:
+    """The most real blocks a recycling group can hold for a request from now until it reaches `target_tokens`.
+
+    Blocks below the window at `processed_tokens` are freed before the next allocation and never allocated again,
+    so only the blocks from there to the target count, and never more than the group's ceiling."""
+    span = cdiv(target_tokens, group.block_size) - group.first_live_block(processed_tokens)
+    assert group.live_ceiling is not None, group
+    return max(min(span, group.live_ceiling), 0)
+
+
+def remaining_blocks(group: GroupInfo, target_tokens: int, num_entries: int, num_live: int,
+                     processed_tokens: int) -> int:
+    """Blocks a request holding `num_entries` block-table entries (`num_live` of them real), with
+    `processed_tokens` tokens processed, may still take from the free pool through `target_tokens`.
+
+    Real blocks held below the window come back before anything new is allocated, so subtracting every real block
+    held is exact: the pool gives back the stale ones and then lends up to the peak."""
     if group.recycling:
-        if group.admission_cap is not None:
-            needed = min(needed, group.admission_cap)
-        return max(needed - num_live, 0)
-    return max(needed - num_entries, 0)
+        return max(peak_blocks(group, target_tokens, processed_tokens) - num_live, 0)
+    return max(cdiv(target_tokens, group.block_size) - num_entries, 0)
 
 
 def load_blocks(group: GroupInfo, hit_tokens: int, local_blocks: Sequence[Any]) -> tuple[int, int, int]:

@@ -134,8 +134,10 @@ class SchedulerDriver:
     """Steps a real vLLM scheduler; `engine` simulates our connector's worker (None for other connectors)."""
 
     def __init__(self, scheduler: Any, engine: TagCopyEngine | None = None, check_loads: bool = True,
-                 record: bool = False, batch_depth: int | None = None, spec_seed: int = 0) -> None:
+                 record: bool = False, batch_depth: int | None = None, spec_seed: int = 0,
+                 peaks: Any = None) -> None:
         self.sched = scheduler
+        self.peaks = peaks  # a sim.peaks.PeakChecker: reservations against blocks held, around every schedule()
         cfg = scheduler.vllm_config
         if batch_depth is None:
             # EngineCore keeps max_concurrent_batches batches in flight under async scheduling.
@@ -249,7 +251,11 @@ class SchedulerDriver:
         """One engine step. With `batch_depth` 2 (async scheduling, as EngineCore's batch queue runs it) the next
         batch is scheduled before the previous one's output is applied."""
         self.step_no += 1
+        if self.peaks is not None and self.side is not None:
+            self.peaks.before_schedule(self.sched, self.side)
         out = self.sched.schedule()
+        if self.peaks is not None and self.side is not None:
+            self.peaks.after_schedule(self.sched, self.side, self.step_no)
         if self.engine is not None:
             self.engine.submit(out.kv_connector_metadata, self.step_no)
         self._write_computed_tags(out)

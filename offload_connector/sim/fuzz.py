@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 
 from offload_connector.sim.custom import GroupDesc, build_custom, cold_need
 from offload_connector.sim.driver import LoadContentError, SchedulerDriver, TagCopyEngine
+from offload_connector.sim.peaks import PeakChecker
 from offload_connector.sim.requests import make_request, tokens
 from offload_connector.sim.scenarios import connector_config
 
@@ -28,6 +29,8 @@ class FuzzCase:
 @dataclass
 class FuzzOutcome:
     mismatches: list[str] = field(default_factory=list)
+    peak_violations: list[str] = field(default_factory=list)  # a request held more blocks than reserved
+    loads_peak_checked: int = 0
     stalls: int = 0
     idle_zero_steps: int = 0
     undrained: int = 0
@@ -40,11 +43,12 @@ class FuzzOutcome:
 
     @property
     def ok(self) -> bool:
-        return not (self.mismatches or self.stalls or self.idle_zero_steps or self.undrained)
+        return not (self.mismatches or self.peak_violations or self.stalls or self.idle_zero_steps
+                    or self.undrained)
 
 
 MAX_MODEL_LEN = 8192
-SPEC_TOKENS = (0, 1, 2, 4)
+SPEC_TOKENS = (0, 1, 2, 4, 7)
 SPEC_METHODS = ("ngram", "ngram_gpu", "draft_model", "eagle")
 
 
@@ -75,9 +79,10 @@ def random_case(rng: random.Random) -> FuzzCase:
             extent = bs * rng.choice([2, 4, 8])
         groups.append((kind, bs, extent))
     if any(k == "chunked" for k, _, _ in groups):
-        # vLLM supports chunked local attention only when every group has the same block size.
-        bs = groups[0][1]
-        groups = [(k, bs, bs * rng.choice([2, 4, 8]) if k == "chunked" else e) for k, _, e in groups]
+        # vLLM supports chunked local attention only when every group has the same block size. Chunks that are not
+        # a multiple of the block (100 tokens over blocks of 24) put the chunk start inside a block.
+        bs = rng.choice([groups[0][1], 24])
+        groups = [(k, bs, _chunk(rng, bs) if k == "chunked" else e) for k, _, e in groups]
     # vLLM's hybrid coordinator wants at least one full-attention-like group to anchor prefix hits.
     if not any(k in ("full", "mla") for k, _, _ in groups) and rng.random() < 0.7:
         groups[0] = ("full", groups[0][1], 0)
@@ -93,6 +98,12 @@ def random_case(rng: random.Random) -> FuzzCase:
         spec_method=rng.choice(spec_methods_for(groups)))
 
 
+def _chunk(rng: random.Random, block_size: int) -> int:
+    if rng.random() < 0.3:
+        return rng.choice([40, 72, 100, 3 * block_size // 2 + 4])
+    return block_size * rng.choice([2, 4, 8])
+
+
 def _cold_need(case: FuzzCase, length: int, in_flight: int) -> int:
     # The first decode step takes 1 + k slots (+ lookahead) past the prompt.
     return cold_need(case.groups, length + case.num_spec_tokens + lookahead_tokens(case), in_flight)
@@ -106,7 +117,8 @@ def run_case(case: FuzzCase, max_steps: int = 20_000) -> FuzzOutcome:
                                   max_num_batched_tokens=case.max_num_batched_tokens, max_model_len=MAX_MODEL_LEN,
                                   kv_transfer_config=connector_config("exact", 1 << 40),
                                   num_speculative_tokens=case.num_spec_tokens, spec_method=case.spec_method)
-    drv = SchedulerDriver(sched, TagCopyEngine(case.latency_steps), spec_seed=case.seed)
+    peaks = PeakChecker()
+    drv = SchedulerDriver(sched, TagCopyEngine(case.latency_steps), spec_seed=case.seed, peaks=peaks)
     base = [tokens(case.seed + s, first) for s, (first, _, _, _) in enumerate(case.sessions)]
     drv.add([make_request(f"w{s}", base[s], mt, hash_bs) for s, (_, mt, _, _) in enumerate(case.sessions)])
     try:
@@ -147,6 +159,9 @@ def run_case(case: FuzzCase, max_steps: int = 20_000) -> FuzzOutcome:
         if adm.entries_after != adm.plan.entries or adm.live_after != adm.plan.live:
             outcome.mismatches.append(f"{adm.request_id}: per-group entries/live {adm.entries_after}/"
                                       f"{adm.live_after}, predicted {adm.plan.entries}/{adm.plan.live}")
+    peaks.close()
+    outcome.peak_violations = peaks.violations
+    outcome.loads_peak_checked = peaks.loads_checked
     outcome.loaded_tokens = side.counters.loaded_tokens
     outcome.deferrals = side.counters.deferrals
     outcome.too_big = side.counters.too_big

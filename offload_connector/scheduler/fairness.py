@@ -1,0 +1,54 @@
+"""Fair admission: a deferred load keeps its room against requests that arrived after it.
+
+A deferred load answers `None` to vLLM, which then skips it and goes on down its waiting queue. Without a rule, the
+newer requests behind it take every block that frees up and the load waits until it ages out and its prefix is
+recomputed. With `admission_policy: "fair"` the connector remembers every deferred load with the room it needs and,
+when vLLM asks about a request that arrived later (in vLLM's own queue order: arrival, or priority then arrival),
+holds that request back (`None`) unless it fits next to the oldest deferred load's need.
+
+Why this cannot stall: only requests *behind* a deferred load are held, and the deferred load waits only for blocks
+held by requests that are already running or already admitted (they finish and give them back); a load that could
+not fit even in an idle pool is never deferred (it is recomputed at once). Requests ahead of it are never held, so a
+preempted older request can always come back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+
+@dataclass(frozen=True)
+class DeferredLoad:
+    request_id: str
+    order: tuple[float, ...]  # vLLM's queue order: smaller goes first
+    need: int  # blocks (now + remaining, all groups) its load takes when admitted
+
+
+class FairQueue:
+    def __init__(self, priority_policy: bool) -> None:
+        self._priority = priority_policy
+        self._deferred: dict[str, DeferredLoad] = {}
+
+    def order(self, request: Any) -> tuple[float, ...]:
+        arrival = float(getattr(request, "arrival_time", 0.0) or 0.0)
+        if self._priority:
+            return (float(getattr(request, "priority", 0) or 0), arrival)
+        return (arrival,)
+
+    def defer(self, request: Any, need: int) -> None:
+        self._deferred[request.request_id] = DeferredLoad(request.request_id, self.order(request), need)
+
+    def clear(self, request_id: str) -> None:
+        self._deferred.pop(request_id, None)
+
+    def oldest_ahead_of(self, request: Any) -> DeferredLoad | None:
+        """The deferred load that vLLM's queue puts first, if it is ahead of `request`."""
+        if not self._deferred:
+            return None
+        me = self.order(request)
+        ahead = [d for d in self._deferred.values() if d.request_id != request.request_id and d.order < me]
+        return min(ahead, key=lambda d: d.order) if ahead else None
+
+    def __len__(self) -> int:
+        return len(self._deferred)
