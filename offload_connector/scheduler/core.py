@@ -17,9 +17,10 @@ from offload_connector.metadata import OffloadMetadata, OffloadWorkerMetadata, T
 from offload_connector.metrics import OffloadStats, OffloadStatsSink
 from offload_connector.scheduler import ledger
 from offload_connector.scheduler.fairness import FairQueue
-from offload_connector.scheduler.lookup import BlockKeys, longest_hit
+from offload_connector.scheduler.lookup import BlockKeys, full_prefix_tokens, longest_hit
 from offload_connector.scheduler.tier_index import TierIndex
 from offload_connector.scheduler.watchdog import PoolHolder, StallReport, StallWatchdog
+from offload_connector.scheduler.windows import store_points
 
 logger = logging.getLogger("offload_connector")
 
@@ -34,6 +35,8 @@ class _ReqState:
     request: Any
     full_stored: list[int]  # per group: blocks [0, n) already handed to the tier (or found there)
     window_boundary: int = 0  # last boundary whose recycling-group window was stored
+    window_scanned: int = 0  # boundaries up to here were considered for window stores
+    junctions: set[int] = field(default_factory=set)  # shared-prefix ends found at lookup without a window
     window_next: list[int] = field(default_factory=list)  # per group: window blocks below this were handed over
     deferred_since: int | None = None
     no_load: bool = False  # gave up loading (aged deferral); recompute instead
@@ -94,6 +97,8 @@ class OffloadScheduler:
                 f"kv_connector_extra_config: 'cpu_bytes' ({config.cpu_bytes}) is smaller than one host block "
                 f"({self.slot_bytes} bytes for this model); give the CPU tier at least that much")
         self.tier = TierIndex(capacity, [g.block_bytes for g in self.groups])
+        self._has_full = any(not g.recycling for g in self.groups)
+        self._has_recycling = any(g.recycling for g in self.groups)
         policy = getattr(getattr(vllm_config, "scheduler_config", None), "policy", "fcfs")
         self.fair = FairQueue(priority_policy=str(getattr(policy, "value", policy)) == "priority")
         self.counters = SchedulerCounters()
@@ -136,7 +141,14 @@ class OffloadScheduler:
         return BlockKeys(request.block_hashes, self.hash_block_size, self.groups)
 
     def _hit(self, request: Any, upper: int) -> int:
-        return longest_hit(self.groups, self._keys(request), self.tier.is_ready, upper, self.alignment)
+        keys = self._keys(request)
+        full = full_prefix_tokens(self.groups, keys, self.tier.is_ready, upper)
+        hit = longest_hit(self.groups, keys, self.tier.is_ready, upper, self.alignment, full_tokens=full)
+        junction = full - full % self.alignment
+        state = self._requests.get(request.request_id)
+        if junction > hit and state is not None and self._has_full and self._has_recycling:
+            state.junctions.add(junction)
+        return hit
 
     def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
         state = self._requests.get(request.request_id)
@@ -336,6 +348,7 @@ class OffloadScheduler:
         # Blocks below the hit are on the GPU once the load lands; store planning starts after them.
         state.full_stored = [hit // g.block_size if not g.recycling else 0 for g in self.groups]
         state.window_boundary = hit
+        state.window_scanned = hit
         state.window_next = [hit // g.block_size for g in self.groups]
         self.counters.loads_admitted += 1
         self.counters.loaded_tokens += num_external_tokens
@@ -349,12 +362,14 @@ class OffloadScheduler:
         """Hand newly computed blocks to the tier.
 
         Full-attention blocks are stored as they complete. A recycling group's blocks are stored only for the
-        windows a later request can resume from: the prompt's last boundary and the boundaries after it (the next
-        turn resumes at the end of the output), never the windows a long prefill passes through. Each window block
-        is handed over once per request: a decode boundary adds the blocks new since the last stored window and
-        does not re-store older window blocks the tier has evicted meanwhile. (Re-storing them made every 32-token
-        boundary copy a whole window once the tier was under pressure.) vLLM frees a window's oldest blocks as soon
-        as the window moves, so the end-of-request window cannot wait for `request_finished`.
+        windows a later request can resume from (`windows.store_points`: the last full block before the prompt's
+        end, the prompt's end and every boundary after it, checkpoints every `window_checkpoint_tokens` inside the
+        prompt, and junctions where a lookup found a shared prefix without a window), never every window a long
+        prefill passes through. Each window block is handed over once per request: a later point adds the blocks new
+        since the last stored window and does not re-store older window blocks the tier has evicted meanwhile.
+        (Re-storing them made every 32-token boundary copy a whole window once the tier was under pressure.) vLLM
+        frees a window's oldest blocks as soon as the window moves, so a window is stored in the step that computes
+        its point, and the end-of-request window cannot wait for `request_finished`.
         """
         request = state.request
         keys = self._keys(request)
@@ -381,24 +396,26 @@ class OffloadScheduler:
                 keylist.append(keys(g.index, i))
             state.full_stored[g.index] = max(state.full_stored[g.index], end)
 
-        boundary = done - done % self.alignment
-        prompt_boundary = request.num_prompt_tokens - request.num_prompt_tokens % self.alignment
-        if boundary > state.window_boundary and boundary >= prompt_boundary:
+        upto = done - done % self.alignment
+        points = store_points(state.window_scanned, upto, request.num_prompt_tokens, self.alignment,
+                              self.config.window_checkpoint_tokens, state.junctions) if self._has_recycling else []
+        state.window_scanned = max(state.window_scanned, upto)
+        for point in points:
             window: list[tuple[int, int, Hashable]] = []
             ends: list[tuple[int, int]] = []
             for g in self.groups:
                 if not g.recycling:
                     continue
                 ids = ids_for(g)
-                rng = g.restore_range(boundary)
+                rng = g.restore_range(point)
                 new = range(max(rng.start, state.window_next[g.index]), rng.stop)
                 if ids is None or len(ids) < rng.stop or any(ids[i] == 0 for i in new):
-                    window = []  # part of the window already left the GPU: this boundary is not restorable
+                    window = []  # part of this window already left the GPU: the point is not restorable
                     break
                 window.extend((g.index, ids[i], keys(g.index, i)) for i in new)
                 ends.append((g.index, rng.stop))
             else:
-                state.window_boundary = boundary
+                state.window_boundary = point
                 for gi, stop in ends:
                     state.window_next[gi] = stop
             for gi, bid, key in window:

@@ -35,9 +35,12 @@ class BlockKeys:
         return (group, self._hashes[(block + 1) * self._ratio[group] - 1])
 
 
-def longest_hit(groups: Sequence[GroupInfo], keys: BlockKeys, is_ready: Callable[[Hashable], bool],
-                upper_tokens: int, alignment: int) -> int:
-    """Largest H <= upper_tokens, a multiple of `alignment`, such that every group can restore a request at H."""
+def full_prefix_tokens(groups: Sequence[GroupInfo], keys: BlockKeys, is_ready: Callable[[Hashable], bool],
+                       upper_tokens: int) -> int:
+    """Tokens of the longest prefix whose every full-attention/MLA block is ready (`upper_tokens` if none is full).
+
+    Where this runs past `longest_hit`, the prefix is shared with an earlier request but no window was stored at its
+    end: the store planner keeps the window there (a junction) so the next request sharing it can resume."""
     hit = min(upper_tokens, keys.hashed_tokens())
     for g in groups:
         if g.recycling:
@@ -47,6 +50,15 @@ def longest_hit(groups: Sequence[GroupInfo], keys: BlockKeys, is_ready: Callable
         while n < limit and is_ready(keys(g.index, n)):
             n += 1
         hit = min(hit, n * g.block_size)
+    return hit
+
+
+def longest_hit(groups: Sequence[GroupInfo], keys: BlockKeys, is_ready: Callable[[Hashable], bool],
+                upper_tokens: int, alignment: int, full_tokens: int | None = None) -> int:
+    """Largest H <= upper_tokens, a multiple of `alignment`, such that every group can restore a request at H.
+
+    `full_tokens`: `full_prefix_tokens` for the same arguments, if the caller already has it."""
+    hit = full_prefix_tokens(groups, keys, is_ready, upper_tokens) if full_tokens is None else full_tokens
     hit -= hit % alignment
     recycling = [g for g in groups if g.recycling]
     while hit > 0:

@@ -80,6 +80,9 @@ class SoakResult:
     store_rejections: int = 0
     deferrals: int = 0
     deferral_timeouts: int = 0
+    held_for_older: int = 0
+    cpu_hit_tokens: int = 0  # tokens the tier could serve at each request's first lookup with a hit
+    aged_out_tokens: int = 0  # of those, given up after max_deferral_steps and recomputed
     admissions_checked: int = 0
     loads_content_checked: int = 0
     invariant_checks: int = 0
@@ -296,6 +299,9 @@ def run_soak(cfg: SoakConfig, progress: Progress | None = None) -> SoakResult:
     res.store_rejections = side.tier.store_rejections
     res.deferrals = side.counters.deferrals
     res.deferral_timeouts = side.counters.deferral_timeouts
+    res.held_for_older = side.counters.held_for_older
+    res.cpu_hit_tokens = side.counters.cpu_hit_tokens
+    res.aged_out_tokens = side.counters.aged_out_tokens
     res.loads_content_checked = engine.loads_done
     if progress is not None:
         progress(clock.now, {"step": drv.step_no, "finished": True})
@@ -316,6 +322,9 @@ SUMMARY_ROWS = (
     ("preemptions (vLLM / forced)", lambda r: f"{r.preemptions_by_vllm:,} / {r.preemptions_forced:,}"),
     ("CPU tier evictions (rejected stores)", lambda r: f"{r.evictions:,} ({r.store_rejections:,})"),
     ("admission deferrals (timeouts)", lambda r: f"{r.deferrals:,} ({r.deferral_timeouts:,})"),
+    ("requests held behind an older load", lambda r: f"{r.held_for_older:,}"),
+    ("CPU-hit tokens (aged out)", lambda r: f"{r.cpu_hit_tokens:,} ({r.aged_out_tokens:,}, "
+                                            f"{100 * r.aged_out_tokens / max(r.cpu_hit_tokens, 1):.1f}%)"),
     ("invariant checks", lambda r: f"{r.invariant_checks:,}"),
     ("invariant violations", lambda r: f"{r.invariant_violations}"),
     ("leaks at the end", lambda r: f"{r.leaks}"),

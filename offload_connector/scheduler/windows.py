@@ -1,0 +1,38 @@
+"""Where a request's sliding-window and chunked-local blocks are worth storing: the points a later request resumes at.
+
+A recycling group can restore a request only at a boundary whose whole window (or chunk) is in the tier, and a
+window costs as much host memory as `window` tokens of that group. Storing every window a prefill passes through
+costs every block; storing only where prompts end makes a prefix that another request shares up to a point inside
+the prompt useless (its full-attention blocks are there, its window is not). The points kept:
+
+* the last full block before the prompt's end: a prompt sent again resumes there (its hit stops one token short of
+  the prompt, so a prompt ending on a block boundary resumes one block earlier);
+* the prompt's last boundary and, from there on, the latest boundary: the next turn resumes after the answer;
+* every `spacing` tokens inside the prompt (checkpoints): shared system prompts, tool prefixes and documents end
+  anywhere, a checkpoint at most `spacing` tokens before;
+* junctions: a boundary where a lookup found an earlier request's full-attention blocks but no window (the two
+  requests share the prefix to there); the request computing through it stores the window so a third one can
+  resume exactly there.
+"""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+
+def store_points(scanned: int, upto: int, prompt_tokens: int, alignment: int, spacing: int,
+                 junctions: Iterable[int] = ()) -> list[int]:
+    """Boundaries in (scanned, upto], ascending, whose windows are stored. `upto` is a multiple of `alignment`."""
+    if upto <= scanned:
+        return []
+    points: set[int] = set()
+    tail = (prompt_tokens - 1) // alignment * alignment
+    end = prompt_tokens // alignment * alignment
+    points.update(p for p in (tail, end) if scanned < p <= upto)
+    if upto >= tail:
+        points.add(upto)
+    if spacing > 0:
+        step = max(spacing - spacing % alignment, alignment)
+        points.update(range((scanned // step + 1) * step, upto + 1, step))
+    points.update(j for j in junctions if scanned < j <= upto)
+    return sorted(p for p in points if p > 0)

@@ -1,0 +1,72 @@
+"""Sliding windows are stored where a later request can resume: checkpoints, junctions, the last block of a prompt.
+
+Each scenario runs on vLLM's real scheduler (hand-built layout: full attention + a 64-token sliding window, blocks of
+16) with the tag-checking copy engine, so a load is also checked to carry the blocks that were stored.
+"""
+
+import pytest
+
+from offload_connector.scheduler.windows import store_points
+from offload_connector.sim.custom import build_custom
+from offload_connector.sim.driver import SchedulerDriver, TagCopyEngine
+from offload_connector.sim.requests import make_request, tokens
+from offload_connector.sim.scenarios import connector_config
+
+GROUPS = (("full", 16, 0), ("sliding", 16, 64))
+
+
+def test_store_points():
+    # Checkpoints every 256 tokens, the last full block before the prompt's end (992), the prompt's end (1000 -> 992
+    # with 16-token alignment: the same point) and the latest boundary once past the prompt.
+    assert store_points(0, 800, 1000, 16, 256) == [256, 512, 768]
+    assert store_points(800, 992, 1000, 16, 256) == [992]
+    assert store_points(992, 1024, 1000, 16, 256) == [1024]
+    # A prompt ending on a boundary: a resend resumes one block earlier, so both boundaries are kept.
+    assert store_points(0, 640, 640, 16, 0) == [624, 640]
+    # Junctions count only inside the range; spacing is rounded down to the alignment; 0 disables checkpoints.
+    assert store_points(0, 512, 2000, 16, 0, junctions={96, 704}) == [96]
+    assert store_points(0, 512, 2000, 32, 100) == [96, 192, 288, 384, 480]
+    assert store_points(512, 512, 2000, 16, 256) == []
+
+
+def _driver(**extra):
+    sched, hbs = build_custom(GROUPS, num_blocks=400, max_num_batched_tokens=128, max_model_len=4096,
+                              kv_transfer_config=connector_config("exact", 1 << 30, **extra))
+    return SchedulerDriver(sched, TagCopyEngine(1)), hbs
+
+
+def _serve(drv, rid, prompt, hbs, max_tokens=2):
+    drv.add([make_request(rid, prompt, max_tokens, hbs)])
+    res = drv.run()
+    assert not res.stalled and rid in drv.finished
+    drv.sched.reset_prefix_cache()  # later requests must come back from the CPU tier, not the GPU prefix cache
+    return drv.side.counters.loaded_tokens
+
+
+@pytest.mark.parametrize("spacing, expected", [(256, 512), (0, 0)])
+def test_shared_prefix_ending_mid_prompt_resumes_at_the_checkpoint_below_it(spacing, expected):
+    drv, hbs = _driver(window_checkpoint_tokens=spacing)
+    a = tokens(1, 1000)
+    _serve(drv, "a", a, hbs)
+    loaded = _serve(drv, "b", a[:700] + tokens(2, 300), hbs)
+    # b shares 700 tokens with a: the last point with a stored window at or below them is the 512 checkpoint.
+    assert loaded == expected
+
+
+def test_junction_stores_the_window_where_two_requests_diverge():
+    drv, hbs = _driver(window_checkpoint_tokens=0)
+    a = tokens(1, 1000)
+    _serve(drv, "a", a, hbs)
+    # b shares a's first 704 tokens: a's full-attention blocks are there, a window is not, so b loads nothing ...
+    assert _serve(drv, "b", a[:704] + tokens(2, 300), hbs) == 0
+    # ... but b stored its window at 704, so a third request sharing the same prefix resumes exactly there.
+    assert _serve(drv, "c", a[:704] + tokens(3, 200), hbs) == 704
+
+
+def test_a_prompt_sent_again_resumes_one_block_before_its_end():
+    """A prompt whose length is a multiple of the block size hits at most num_tokens - 1, so it resumes a block
+    before its end; that window is stored too (before, such a resend loaded nothing)."""
+    drv, hbs = _driver(window_checkpoint_tokens=0)
+    a = tokens(4, 640)
+    _serve(drv, "a", a, hbs)
+    assert _serve(drv, "a-again", list(a), hbs) == 624
