@@ -7,4 +7,4 @@ connector, instrumented), `metrics` (what is measured), `runner` (the replay loo
 """
 
 # The connectors a replay can compare (see connectors.py); here so the command line can list them without vLLM.
-CONNECTORS = ("offload", "offload-vllm-reservation", "vllm-offloading", "none")
+CONNECTORS = ("offload", "offload-vllm-reservation", "vllm-offloading", "vllm-offloading-patched", "none")

@@ -4,6 +4,8 @@
 - `offload-vllm-reservation`: ours with `reservation: "vllm"` (trusts vLLM's own async-load reservation).
 - `vllm-offloading`: vLLM's in-tree `OffloadingConnector`, its real scheduler and worker classes; only the copy
   engine under the worker is simulated (`TimedFakeOffloadingWorker`).
+- `vllm-offloading-patched`: the same, on a scheduler whose async-load admission count has the upstream fix for
+  sliding-window / chunked-local groups (sim/vllm_patched.py), applied to that one scheduler's managers only.
 - `none`: no connector; every prefix outside the GPU prefix cache is recomputed.
 
 Instrumentation is attached by wrapping bound methods on the instances (the scheduler's `schedule` and
@@ -25,7 +27,10 @@ from offload_connector.sim.driver import SchedulerDriver, StepRecord
 from offload_connector.sim.layouts import build_scheduler, build_sim_model, build_vllm_config
 from offload_connector.sim.scenarios import connector_config
 
-__all__ = ["CONNECTORS", "EngineSettings", "ReplayEngine"]
+__all__ = ["CONNECTORS", "EngineSettings", "ReplayEngine", "VLLM_OFFLOADING"]
+
+# Columns that run vLLM's in-tree OffloadingConnector (and so share its worker simulation and tier read-outs).
+VLLM_OFFLOADING = ("vllm-offloading", "vllm-offloading-patched")
 
 
 @dataclass(frozen=True)
@@ -50,11 +55,15 @@ class ReplayEngine:
         kt = None
         if kind in ("offload", "offload-vllm-reservation"):
             kt = connector_config("exact" if kind == "offload" else "vllm", settings.cpu_bytes)
-        elif kind == "vllm-offloading":
+        elif kind in VLLM_OFFLOADING:
             from offload_connector.sim.vllm_offloading import offloading_config
             kt = offloading_config(settings.cpu_bytes)
         vc = self._build(kind, settings, clock, kt)
-        if kind == "vllm-offloading":
+        if kind == "vllm-offloading-patched":
+            # Before any request exists, on this scheduler's managers only: the other columns stay unpatched vLLM.
+            from offload_connector.sim.vllm_patched import apply_admission_fix
+            self.patched_groups = apply_admission_fix(self.sched)
+        if kind in VLLM_OFFLOADING:
             from offload_connector.sim.vllm_offloading import VllmOffloadingDriver, VllmOffloadingWorkerSim
             worker = VllmOffloadingWorkerSim(vc, self.sim.worker_kv_cache_config, latency_steps=1)
             fake = TimedFakeOffloadingWorker(clock, spec_bytes(self.block_bytes))
@@ -74,6 +83,7 @@ class ReplayEngine:
         """vLLM config, simulated model and real scheduler for one connector, plus what the recorder needs."""
         self.kind = kind
         self.clock = clock
+        self.patched_groups: list[int] = []  # groups whose admission count sim/vllm_patched.py fixed
         vc = build_vllm_config(settings.model, max_model_len=settings.max_model_len,
                                max_num_batched_tokens=settings.max_num_batched_tokens,
                                max_num_seqs=settings.max_num_seqs, num_gpu_blocks=settings.num_gpu_blocks,
@@ -152,7 +162,7 @@ class ReplayEngine:
 
             full = [g for g in side.groups if not g.recycling]
             return lambda req: longest_hit(full, side._keys(req), side.tier.is_ready, req.num_tokens - 1, 1)
-        if self.kind != "vllm-offloading":
+        if self.kind not in VLLM_OFFLOADING:
             return lambda req: None
         cs = self.conn.connector_scheduler
         from vllm.v1.kv_offload.base import LookupResult
@@ -239,7 +249,7 @@ class ReplayEngine:
             entries = getattr(side.tier, "_entries", {})  # read-only peek; the index has no per-group count
             tokens = sum(full[g] for g, _ in entries if g in full)
             return len(entries) * side.slot_bytes, tokens
-        if self.kind == "vllm-offloading":
+        if self.kind in VLLM_OFFLOADING:
             cs = self.conn.connector_scheduler
             mgr = cs.manager
             chunks = getattr(getattr(mgr, "_policy", None), "chunks", None)

@@ -6,7 +6,7 @@ from pathlib import Path
 from typing import Any
 
 _COLORS = {"offload": "tab:green", "offload-vllm-reservation": "tab:orange", "vllm-offloading": "tab:red",
-           "none": "tab:gray"}
+           "vllm-offloading-patched": "tab:purple", "none": "tab:gray"}
 
 
 def _thin(series: dict[str, list[float]], n: int = 6000) -> dict[str, list[float]]:

@@ -145,9 +145,23 @@ def _finish(kind: str, eng: ReplayEngine, clock: SimClock, total: int, stall_ste
         stopped_reason=reason, wall_seconds=round(wall, 1),
         stall_dump=pool_holders(eng) if stall_step is not None else None,
         extra={"num_blocks": eng.sim.kv_cache_config.num_blocks, "groups": eng.group_names,
-               "loads_content_checked": eng.loads_content_checked()},
+               "loads_content_checked": eng.loads_content_checked(),
+               **_load_outcomes(eng),
+               # Which groups' admission count sim/vllm_patched.py replaced (vllm-offloading-patched only).
+               **({"admission_fix_groups": list(eng.patched_groups)} if eng.patched_groups else {})},
     )
     return RunOutput(res, eng.recorder.series(), clock.now if stall_step is not None else None)
+
+
+def _load_outcomes(eng: ReplayEngine) -> dict[str, int]:
+    """Our connector's account of the loads it could serve: tokens its tier could restore at each request's first
+    lookup with a hit, and those it gave up (aged out after max_deferral_steps, or too big for an idle pool)."""
+    side = getattr(eng, "side", None)
+    if side is None:
+        return {}
+    c = side.counters
+    return {"cpu_hit_tokens": c.cpu_hit_tokens, "aged_out_tokens": c.aged_out_tokens,
+            "too_big_tokens": c.too_big_tokens, "held_for_older": c.held_for_older}
 
 
 def run_replay(workload: Workload, cfg: ReplayConfig, progress: Progress | None = None) -> ReplayOutput:

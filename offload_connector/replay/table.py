@@ -24,6 +24,12 @@ def _bytes(v: float | None) -> str:
     return f"{v:.0f} B"
 
 
+def _share(part: int | None, whole: int | None) -> str:
+    if part is None:
+        return "-"
+    return f"{part:,} ({100 * part / whole:.1f}%)" if whole else f"{part:,}"
+
+
 ROWS: list[tuple[str, Callable[[ConnectorResult], Any], Callable[[Any], str]]] = [
     ("stalled", lambda r: r.stalled, str),
     ("first_stall_step", lambda r: r.first_stall_step, _f(",")),
@@ -42,6 +48,11 @@ ROWS: list[tuple[str, Callable[[ConnectorResult], Any], Callable[[Any], str]]] =
     ("GPU pool util mean", lambda r: r.gpu_pool_util_mean, _pct),
     ("GPU pool util p95", lambda r: r.gpu_pool_util_p95, _pct),
     ("admission deferrals", lambda r: r.admission_deferrals, _f(",")),
+    ("  of which held for an older load", lambda r: r.extra.get("held_for_older"), _f(",")),
+    ("CPU-hit tokens at first lookup", lambda r: r.extra.get("cpu_hit_tokens"), _f(",")),
+    ("  aged out (recomputed)", lambda r: _share(r.extra.get("aged_out_tokens"), r.extra.get("cpu_hit_tokens")), str),
+    ("  too big for the pool (recomputed)", lambda r: _share(r.extra.get("too_big_tokens"),
+                                                               r.extra.get("cpu_hit_tokens")), str),
     ("CPU tier bytes", lambda r: r.cpu_tier_bytes, _bytes),
     ("CPU tier bytes / cached token", lambda r: r.cpu_tier_bytes_per_cached_token, _bytes),
     ("bytes loaded / stored", lambda r: f"{_bytes(r.transfer_bytes_loaded)} / {_bytes(r.transfer_bytes_stored)}",
@@ -88,4 +99,16 @@ def header(out: Any) -> str:
         f"transfers: bytes / {tm.bandwidth_gbps} GB/s per direction, one job after another per direction",
         f"stall: {cfg.stall_steps} consecutive steps with no token scheduled while requests wait and no transfer is "
         f"in flight",
+        *_patched_note(out),
     ])
+
+
+def _patched_note(out: Any) -> list[str]:
+    """Says what the patched column changed, so a reader does not take it for vLLM as released."""
+    for run in out.runs:
+        if run.result.connector == "vllm-offloading-patched":
+            groups = run.result.extra.get("admission_fix_groups") or []
+            names = ", ".join(f"g{g}" for g in groups) or "none (no sliding-window or chunked-local group)"
+            return [f"vllm-offloading-patched: vLLM's OffloadingConnector on a scheduler whose async-load admission "
+                    f"count has the sliding-window/chunked-local fix (sim/vllm_patched.py) on groups {names}"]
+    return []
