@@ -33,9 +33,10 @@ class OffloadConfig:
     # this-many tokens inside a prompt (rounded down to a multiple of every group's block size; 0: no checkpoints).
     window_checkpoint_tokens: int = 4096
     eviction: str = "lru"
-    # A load that keeps being deferred for this many scheduler steps is given up and the prefix recomputed, so a
-    # steady stream of ordinary admissions cannot starve it forever.
-    max_deferral_steps: int = 200
+    # A load that keeps being deferred for this many scheduler steps is given up and the prefix recomputed. Under
+    # "fair" admission a deferred load waits only for requests already running or admitted, so this is a last resort;
+    # under "greedy" it is what stops a stream of newer requests from starving it.
+    max_deferral_steps: int = 10_000
     deferral_fallback: str = "recompute"
     # Loads shorter than this are not worth a transfer; the tokens are recomputed.
     min_load_tokens: int = 1

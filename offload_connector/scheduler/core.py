@@ -211,7 +211,7 @@ class OffloadScheduler:
             self.counters.deferrals += 1
             self.stats.record_deferral("pool_full")
             if self.config.admission_policy == "fair":
-                self.fair.defer(request, plan.total)
+                self.fair.defer(request, sum(plan.now))
             return None, False
         # TOO_BIG: the request's blocks through its prompt do not fit even an idle pool. A shorter hit would not
         # help: a load's total (now + remaining) is the request's need at its target minus the local blocks it

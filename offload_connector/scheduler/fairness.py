@@ -22,7 +22,7 @@ from typing import Any
 class DeferredLoad:
     request_id: str
     order: tuple[float, ...]  # vLLM's queue order: smaller goes first
-    need: int  # blocks (now + remaining, all groups) its load takes when admitted
+    need: int  # blocks (all groups) its load takes from the free pool when admitted
 
 
 class FairQueue:
