@@ -122,6 +122,7 @@ class OffloadScheduler:
         # Loads whose request was aborted mid-copy: their tier entries stay pinned until the worker reports them.
         self._orphan_loads: dict[int, _LoadState] = {}
         self.admissions: deque[_Admission] = deque(maxlen=4096)
+        self._holders_cache: tuple[tuple[int, int, int], int] | None = None
 
     # ------------------------------------------------------------------ binding
     def bind(self, kv_cache_manager: Any) -> None:
@@ -227,21 +228,30 @@ class OffloadScheduler:
     def _held_for_older(self, request: Any, local: int, hit: int, need: int | None = None) -> bool:
         """Whether `request` must wait so that an older deferred load keeps the room it is waiting for.
 
-        `need` is what the request would take through its prompt (computed here for a request without a load).
-        It may go ahead only if the pool holds it, the older load's need and every other holder's remaining need."""
+        `need` is what the request would take through its prompt (computed here, only when it could matter, for a
+        request without a load). It may go ahead only if the pool holds it, the older load's blocks, every holder's
+        remaining need and the watermark. Called for every waiting request behind a deferred load on every step, so
+        the holders' total is computed once per step and pool state (a waiting request asked here holds no blocks)."""
         if self.config.admission_policy != "fair" or self.config.reservation != "exact":
             return False
         older = self.fair.oldest_ahead_of(request)
         if older is None:
             return False
-        if need is None:
+        free = self._pool.get_num_free_blocks()
+        room = free - older.need - self._holders_remaining(free) - self._watermark
+        if room > 0 and need is None:
             need = self.plan_load(request, hit, self._local_blocks(request, local)).total
-        others = self._reserved_by_others(request.request_id)
-        if need + older.need + others + self._watermark <= self._pool.get_num_free_blocks():
+        if need is not None and need <= room:
             return False
         self.counters.held_for_older += 1
         self.stats.record_deferral("held_for_older")
         return True
+
+    def _holders_remaining(self, free: int) -> int:
+        key = (self._step, free, len(self._loads))
+        if self._holders_cache is None or self._holders_cache[0] != key:
+            self._holders_cache = (key, sum(sum(r.remaining) for r in self._rows()))
+        return self._holders_cache[1]
 
     def _local_blocks(self, request: Any, local: int) -> list[list[Any]]:
         """The local prefix-hit blocks vLLM adopts with a hit of `local` tokens.

@@ -1,0 +1,74 @@
+"""A deferred load is not starved by requests that arrive after it (admission_policy "fair").
+
+The scene of the issue: a gpt-oss-like layout (sliding window 128 + full attention, blocks of 16, 512-token steps),
+a 600-block pool mostly held by four long decoders, a request returning with a 4,000-token prefix in the CPU tier,
+and a stream of small requests arriving behind it. The load cannot fit until decoders finish; with "greedy"
+admission every block that frees up goes to the small requests behind it and the load ages out (recomputed), with
+"fair" the small requests wait until the load fits and it is loaded whole. vLLM's real scheduler, tag-checked copies.
+"""
+
+import pytest
+
+from offload_connector.sim.custom import build_custom
+from offload_connector.sim.driver import SchedulerDriver, TagCopyEngine
+from offload_connector.sim.requests import make_request, tokens
+from offload_connector.sim.scenarios import connector_config
+
+GROUPS = (("full", 16, 0), ("sliding", 16, 128))
+PREFIX = 4000
+
+
+def _scene(policy: str, **extra) -> tuple[SchedulerDriver, dict]:
+    sched, hbs = build_custom(GROUPS, num_blocks=600, max_num_batched_tokens=512, max_model_len=8192,
+                              kv_transfer_config=connector_config("exact", 1 << 32, admission_policy=policy,
+                                                                  **extra))
+    drv = SchedulerDriver(sched, TagCopyEngine(1))
+    prefix = tokens(1, PREFIX)
+    drv.add([make_request("warm", prefix, 1, hbs)])
+    assert not drv.run().stalled
+    sched.reset_prefix_cache()
+    # Four decoders hold most of the pool for a few hundred steps.
+    drv.add([make_request(f"dec{i}", tokens(10 + i, 1500), 600 + 40 * i, hbs) for i in range(4)])
+    for _ in range(20):
+        drv.step()
+    drv.add([make_request("ret", prefix + tokens(2, 60), 4, hbs)])
+    first_token = None
+    n = 0
+    while drv.busy() and drv.step_no < 6000:
+        if drv.step_no % 3 == 0 and n < 600:  # small requests keep arriving behind the returning one
+            drv.add([make_request(f"small{n}", tokens(100 + n, 100), 8, hbs)])
+            n += 1
+        rec = drv.step()
+        assert not (rec.idle_while_waiting and not drv.busy())
+        req = drv.sched.requests.get("ret")
+        if first_token is None and (req is None or req.num_output_tokens > 0):
+            first_token = drv.step_no
+    c = drv.side.counters
+    ret_loaded = any(a.request_id == "ret" and a.free_after is not None for a in drv.side.admissions)
+    return drv, {"ret_loaded": ret_loaded, "aged_out": c.deferral_timeouts, "held": c.held_for_older,
+                 "first_token_step": first_token, "drained": drv.idle_invariant()}
+
+
+@pytest.fixture(scope="module")
+def outcomes():
+    return {
+        # The previous default: greedy admission, a load given up after 200 deferred steps.
+        "greedy-200": _scene("greedy", max_deferral_steps=200)[1],
+        "greedy": _scene("greedy")[1],
+        "fair": _scene("fair")[1],
+    }
+
+
+def test_greedy_admission_with_aging_gives_the_load_up(outcomes):
+    g = outcomes["greedy-200"]
+    assert g["drained"]
+    assert g["aged_out"] == 1 and not g["ret_loaded"]  # the small requests took every freed block until it gave up
+
+
+def test_fair_admission_loads_it_and_serves_it_first(outcomes):
+    f = outcomes["fair"]
+    assert f["drained"]
+    assert f["aged_out"] == 0 and f["ret_loaded"]
+    assert f["held"] > 0  # newer requests were held back for it
+    assert f["first_token_step"] < outcomes["greedy"]["first_token_step"]
+    assert f["first_token_step"] < outcomes["greedy-200"]["first_token_step"]
