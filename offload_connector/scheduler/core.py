@@ -212,7 +212,7 @@ class OffloadScheduler:
             self.counters.deferrals += 1
             self.stats.record_deferral("pool_full")
             if self.config.admission_policy == "fair":
-                self.fair.defer(request, sum(plan.now))
+                self.fair.defer(request, sum(plan.now), plan.total)
             return None, False
         # TOO_BIG: the request's blocks through its prompt do not fit even an idle pool. A shorter hit would not
         # help: a load's total (now + remaining) is the request's need at its target minus the local blocks it
@@ -238,7 +238,9 @@ class OffloadScheduler:
         if older is None:
             return False
         free = self._pool.get_num_free_blocks()
-        room = free - older.need - self._holders_remaining(free) - self._watermark
+        # The older load is admitted once max(total, now + holders) + watermark fits; whatever this request takes
+        # through its prompt must leave that much.
+        room = free - self._watermark - max(older.total, older.now + self._holders_remaining(free))
         if room > 0 and need is None:
             need = self.plan_load(request, hit, self._local_blocks(request, local)).total
         if need is not None and need <= room:

@@ -22,7 +22,8 @@ from typing import Any
 class DeferredLoad:
     request_id: str
     order: tuple[float, ...]  # vLLM's queue order: smaller goes first
-    need: int  # blocks (all groups) its load takes from the free pool when admitted
+    now: int  # blocks (all groups) its load takes from the free pool when admitted
+    total: int  # now + what it may still take through its prompt
 
 
 class FairQueue:
@@ -36,8 +37,8 @@ class FairQueue:
             return (float(getattr(request, "priority", 0) or 0), arrival)
         return (arrival,)
 
-    def defer(self, request: Any, need: int) -> None:
-        self._deferred[request.request_id] = DeferredLoad(request.request_id, self.order(request), need)
+    def defer(self, request: Any, now: int, total: int) -> None:
+        self._deferred[request.request_id] = DeferredLoad(request.request_id, self.order(request), now, total)
 
     def clear(self, request_id: str) -> None:
         self._deferred.pop(request_id, None)

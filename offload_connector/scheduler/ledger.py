@@ -14,8 +14,8 @@ chunk is never preempted. Here every quantity is counted from live blocks:
               request can hold at once (`groups.live_ceiling`) and `live` counts the real (non-null) blocks held.
 
 A load is admitted only if `now` fits in the free pool next to the remaining need of every request that already holds
-blocks and has not finished its prompt, plus vLLM's watermark; from then on its own `remaining` is part of that
-reservation for every later load. A load whose `now + remaining` could not fit even an idle pool is never admitted.
+blocks and has not finished its prompt, plus vLLM's watermark, and `now + remaining` fits the free pool on its own;
+from then on its own `remaining` is part of that reservation for every later load. A load whose `now + remaining` could not fit even an idle pool is never admitted.
 """
 
 from __future__ import annotations
@@ -124,15 +124,22 @@ def decide(plan: LoadPlan, free_blocks: int, watermark_blocks: int, reserved_by_
            usable_blocks: int) -> Verdict:
     """Admission rule. `usable_blocks` is the pool without the null block.
 
-    The load's own blocks must fit now next to what every other block holder still in its prompt may take; its own
-    remaining need joins that reservation once it is admitted (it is a holder then), so every later load must leave
-    room for it. Requiring the load's remaining too, before it may start, only made it wait for blocks that it takes
-    chunk by chunk while requests finish: it cannot wedge the engine, because every request that holds blocks
-    without being able to run (an in-flight or landed load) can still take everything it needs through its prompt,
-    and anything else that holds blocks is running and finishes or is preempted."""
+    Two conditions, the same two vLLM's fixed gate applies (a full-sequence check, then the allocation against the
+    other in-flight prefills' reservations):
+
+    * the load's own blocks fit now next to what every other block holder still in its prompt may take; its own
+      remaining need joins that reservation once it is admitted (it is a holder then), so every later load leaves
+      room for it. This is what makes a stall impossible: every request that holds blocks without being able to run
+      (an in-flight or landed load) can still take everything it needs through its prompt, and anything else that
+      holds blocks is running and finishes or is preempted;
+    * its whole need through the prompt fits the free pool now, so that it does not start a prefill the running
+      requests would then have to be preempted for.
+
+    Requiring both at once (`total + others`) made loads wait for blocks they take chunk by chunk while other
+    prefills finish."""
     if plan.total + watermark_blocks > usable_blocks:
         return Verdict.TOO_BIG
-    if sum(plan.now) + watermark_blocks + reserved_by_others <= free_blocks:
+    if max(plan.total, sum(plan.now) + reserved_by_others) + watermark_blocks <= free_blocks:
         return Verdict.ADMIT
     return Verdict.DEFER
 
