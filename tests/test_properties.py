@@ -1,6 +1,7 @@
 """Property tests over random layouts, pools, request mixes and arrival orders, on vLLM's real scheduler.
 
-For every admitted load the predicted per-group blocks equal what vLLM allocates; no step schedules zero tokens
+For every admitted load the predicted per-group blocks equal what vLLM allocates; no request holds more blocks in a
+group than the ledger reserved for it (per load through its first decode step, per ledger row every step); no step schedules zero tokens
 while requests wait and no transfer is in flight; every run drains; loaded blocks hold the right contents; the pool
 returns to num_blocks - 1 free. Speculative decoding is part of the search: 0, 1, 2 or 4 drafts per step, proposed
 by CPU n-gram (synchronous engine, drafts fed after each step), GPU n-gram, a draft model or EAGLE (async
@@ -23,8 +24,9 @@ KINDS = ["full", "mla", "sliding", "sliding_mla", "chunked"]
 def cases(draw):
     n = draw(st.integers(1, 4))
     groups = []
-    same_bs = draw(st.sampled_from([16, 32, 64]))
     chunked = draw(st.booleans())
+    # Chunked layouts share one block size; 24 with a 100-token chunk puts chunk starts inside blocks.
+    same_bs = draw(st.sampled_from([16, 24, 32, 64] if chunked else [16, 32, 64]))
     for _ in range(n):
         kind = draw(st.sampled_from(KINDS if chunked else KINDS[:4]))
         # vLLM supports chunked local attention only when every group shares one block size.
@@ -33,7 +35,7 @@ def cases(draw):
         if kind in ("sliding", "sliding_mla"):
             extent = draw(st.sampled_from([16, 48, 64, 128, 257, 512]))
         elif kind == "chunked":
-            extent = bs * draw(st.sampled_from([2, 4, 8]))
+            extent = draw(st.sampled_from([2 * bs, 4 * bs, 8 * bs, 100, 40]))
         groups.append((kind, bs, extent))
     sessions = []
     for _ in range(draw(st.integers(1, 5))):
