@@ -4,9 +4,11 @@
 from __future__ import annotations
 
 import itertools
+import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from offload_connector.sim import layouts as L
 from vllm import SamplingParams
@@ -23,8 +25,8 @@ from vllm.v1.kv_cache_interface import (
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request
 
-GEMMA, DSV4 = "gemma-4-31b", "deepseek-v4-flash"
-GEMMA_BLOCKS, DSV4_BLOCKS = 2188, 8192
+GEMMA, DSV4, GPT_OSS = "gemma-4-31b", "deepseek-v4-flash", "gpt-oss-20b"
+GEMMA_BLOCKS, DSV4_BLOCKS, GPT_OSS_BLOCKS = 2188, 8192, 2304
 
 
 def _build(name: str, max_model_len: int, num_blocks: int, **kw):
@@ -41,6 +43,11 @@ def gemma():
 @pytest.fixture(scope="module")
 def dsv4():
     return _build(DSV4, 1_048_576, DSV4_BLOCKS)
+
+
+@pytest.fixture(scope="module")
+def gptoss():
+    return _build(GPT_OSS, 32768, GPT_OSS_BLOCKS)
 
 
 def _bytes_per_block_id(sim: L.SimModel) -> int:
@@ -94,6 +101,42 @@ def test_gemma4_31b_layout(gemma):
     assert (sim.scheduler_block_size, sim.hash_block_size) == (32, 16)
     assert sim.worker_kv_cache_config.kv_cache_layout == "LBNHC"
     assert _cap(kc.kv_cache_groups[0].kv_cache_spec, vc) == 193
+
+
+def test_gpt_oss_20b_layout(gptoss):
+    """Alternating window-128 and full layers of equal shape: two groups of 12, nothing for the planner to scale."""
+    vc, sim = gptoss
+    kc = sim.kv_cache_config
+    assert kc.num_blocks == sim.worker_kv_cache_config.num_blocks == GPT_OSS_BLOCKS
+    assert vc.cache_config.num_gpu_blocks == GPT_OSS_BLOCKS
+    sw, full = kc.kv_cache_groups
+    assert sw.kv_cache_spec == SlidingWindowSpec(block_size=16, num_kv_heads=8, head_size=64,
+                                                 dtype=sw.kv_cache_spec.dtype, sliding_window=128)
+    assert sw.kv_cache_spec.dtype == torch.bfloat16
+    assert sw.layer_names == [f"model.layers.{i}.attn.attn" for i in range(0, 24, 2)]
+    assert type(full.kv_cache_spec) is FullAttentionSpec
+    s = full.kv_cache_spec
+    assert (s.block_size, s.num_kv_heads, s.head_size, s.head_size_v) == (16, 8, 64, 64)
+    assert full.layer_names == [f"model.layers.{i}.attn.attn" for i in range(1, 24, 2)]
+    # 16 tokens x 8 heads x 64 x (K, V) x 2 B per layer; one block id spans the 12 layers of a group.
+    assert {g.kv_cache_spec.page_size_bytes for g in kc.kv_cache_groups} == {32_768}
+    assert _bytes_per_block_id(sim) == 12 * 32_768 == 393_216
+    assert (sim.scheduler_block_size, sim.hash_block_size) == (16, 16)
+    assert sim.worker_kv_cache_config.kv_cache_layout == "LBNHC"
+    assert _cap(sw.kv_cache_spec, vc) == 137  # cdiv(127 + 2048, 16) + 1
+    # vLLM's start-up check: a cold 32k request needs 2,048 full + 137 window blocks.
+    with pytest.raises(ValueError, match="max seq len"):
+        _build(GPT_OSS, 32768, 2048)
+
+
+def test_gpt_oss_layer_types_that_vllm_would_ignore_are_refused(tmp_path: Path):
+    """vLLM slides even layers whatever `layer_types` says; a config saying otherwise is not silently replayed."""
+    cfg = json.loads((Path(L.model_dir(GPT_OSS)) / "config.json").read_text())
+    cfg["layer_types"] = ["full_attention", "sliding_attention"] * 12
+    (tmp_path / "config.json").write_text(json.dumps(cfg))
+    vc = L.build_vllm_config(str(tmp_path), max_model_len=4096, max_num_batched_tokens=1024, num_gpu_blocks=1024)
+    with pytest.raises(NotImplementedError, match="even layers"):
+        L.layer_specs(vc)
 
 
 def test_dsv4_flash_layer_specs(dsv4):
@@ -196,7 +239,7 @@ def _run_to_completion(sched: Scheduler, max_steps: int = 200) -> tuple[int, int
     raise AssertionError("requests did not finish")
 
 
-@pytest.mark.parametrize("which", ["gemma", "dsv4"])
+@pytest.mark.parametrize("which", ["gemma", "dsv4", "gptoss"])
 @pytest.mark.parametrize("scheduler_cls", [None, Scheduler])
 @pytest.mark.parametrize("prompt_len,steps", [(300, 4), (1500, 5)])  # 1500 needs two prefill chunks
 def test_real_scheduler_runs_request_and_frees_pool(which, scheduler_cls, prompt_len, steps, request):

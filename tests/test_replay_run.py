@@ -8,6 +8,7 @@ import pytest
 
 import offload_connector.sim  # noqa: F401  (platform environment before vLLM loads)
 from offload_connector.cli import main
+from offload_connector.replay.command import MODEL_DEFAULTS
 from offload_connector.replay.runner import ReplayConfig, run_replay
 from offload_connector.replay.table import header, render
 from offload_connector.replay.timemodel import time_model_for
@@ -106,3 +107,25 @@ def test_cli_replays_a_file_and_reports_a_malformed_line(tmp_path, capsys: pytes
     assert "line 2" in err and "'hash_ids'" in err
     assert main(["replay", "--connectors", "offload,bogus", "--no-progress"]) == 2
     assert "bogus" in capsys.readouterr().err
+
+
+def test_cli_defaults_to_the_workloads_model_and_replays_gpt_oss(tmp_path) -> None:
+    """`--trace agent-tool-prefix` alone replays on the model the workload was sized for (gpt-oss-20b: two groups,
+    window 128, block 16), and its later agent turns load their sessions from the CPU tier."""
+    js = tmp_path / "r.json"
+    rc = main(["replay", "--trace", "agent-tool-prefix", "--limit", "40",
+               "--connectors", "offload,vllm-offloading,none", "--json", str(js), "--no-progress"])
+    assert rc == 0
+    data = json.loads(js.read_text())
+    cfg = data["config"]
+    assert cfg["model"] == "gpt-oss-20b" and cfg["max_model_len"] == 32768
+    assert cfg["num_gpu_blocks"] == MODEL_DEFAULTS["gpt-oss-20b"].num_gpu_blocks
+    assert cfg["time_model"]["basis"].startswith("gpt-oss-20b")
+    res = {r["connector"]: r for r in data["results"]}
+    for r in res.values():
+        assert not r["stalled"] and r["requests_completed"] == r["requests_total"] == 40, r["connector"]
+        assert len(r["extra"]["groups"]) == 2
+    assert res["none"]["tokens_loaded_from_cpu"] == 0
+    for name in ("offload", "vllm-offloading"):
+        assert res[name]["tokens_loaded_from_cpu"] > 0, name
+        assert res[name]["tokens_recomputed"] < res["none"]["tokens_recomputed"], name

@@ -7,7 +7,7 @@ import json
 
 import pytest
 
-from offload_connector.replay.command import parse_bytes
+from offload_connector.replay.command import MODEL_DEFAULTS, parse_bytes
 from offload_connector.replay.timemodel import SimClock, TimeModel, time_model_for
 from offload_connector.replay.trace import (
     SAMPLED_TOKEN,
@@ -19,6 +19,9 @@ from offload_connector.replay.trace import (
     prompt_tokens,
 )
 from offload_connector.replay.workloads import BUILTIN, resolve_trace
+
+GENERATED = ["gemma4-31b-returning", "deepseek-v4-flash-1m", "agent-tool-prefix", "rag-shared-docs", "decode-heavy"]
+REUSE = ["agent-tool-prefix", "rag-shared-docs", "decode-heavy"]
 
 
 def _line(**kw: object) -> str:
@@ -96,21 +99,85 @@ def test_clip_keeps_the_prefix() -> None:
     assert c.clipped and c.input_length + c.output_length <= 4096 and c.output_length == 900
 
 
-@pytest.mark.parametrize("name", ["gemma4-31b-returning", "deepseek-v4-flash-1m"])
-def test_builtin_workloads_are_deterministic_and_valid(name: str) -> None:
+def test_every_builtin_is_enumerated() -> None:
+    assert set(BUILTIN) == set(GENERATED) | {"mooncake-synthetic"}
+
+
+@pytest.mark.parametrize("name", GENERATED)
+def test_generated_workloads_are_deterministic_and_valid(name: str) -> None:
     a, b, c = BUILTIN[name](0), BUILTIN[name](0), BUILTIN[name](1)
     assert a.records == b.records and a.records != c.records
+    assert a.name == name and a.description.strip() and a.default_model in MODEL_DEFAULTS
     # Round trip through the Mooncake loader (the session chain is checked there too).
     lines = [json.dumps({"timestamp": r.timestamp_ms, "input_length": r.input_length,
                          "output_length": r.output_length, "hash_ids": list(r.hash_ids),
                          "session": r.session, "turn": r.turn}) for r in a.records]
     assert len(parse_lines(lines)) == len(a.records)
+
+
+@pytest.mark.parametrize("name", ["gemma4-31b-returning", "deepseek-v4-flash-1m"])
+def test_admission_workloads_have_their_burst_cells(name: str) -> None:
+    a = BUILTIN[name](0)
     phases = {r.get("phase") for r in a.records}
     assert {"burst-k2", "burst-k3", "burst-k4", "edge"} <= phases  # issue 4: burst sweep of 2-4, an edge case
     for k in (2, 3, 4):  # k distinct sessions, each resuming a previous turn, all in the same step
         cell = [r for r in a.records if r.get("phase") == f"burst-k{k}"]
         assert len(cell) == len({r.session for r in cell}) == k and len({r.timestamp_ms for r in cell}) == 1
         assert all(r.turn and r.turn >= 1 for r in cell)
+
+
+def _mid_prompt_sharers(records) -> int:
+    """Requests whose longest shared hash-id prefix (4+ blocks) with an earlier request ends inside both prompts."""
+    n = 0
+    for i, r in enumerate(records):
+        if r.turn:  # later turns resume after their own previous answer; that reuse ends at a prompt's end
+            continue
+        best, inside = 0, False
+        for e in records[:i]:
+            k = 0
+            for x, y in zip(r.hash_ids, e.hash_ids):
+                if x != y:
+                    break
+                k += 1
+            if k > best or (k == best and k < len(e.hash_ids)):
+                best, inside = k, k < len(e.hash_ids) and k < len(r.hash_ids)
+        n += best >= 4 and inside
+    return n
+
+
+@pytest.mark.parametrize("name", REUSE)
+def test_reuse_workloads_share_prefixes_that_end_mid_prompt(name: str) -> None:
+    w = BUILTIN[name](0)
+    recs = w.records
+    # Nothing is clipped on the 32k-context models every built-in workload must run on.
+    for model in ("gemma-4-31b", "gpt-oss-20b"):
+        limit = MODEL_DEFAULTS[model].max_model_len
+        assert all(not clip_to_model(r, limit).clipped for r in recs), model
+    assert _mid_prompt_sharers(recs) >= 20
+    # Between two turns of a session more prompt tokens arrive than the gpt-oss default pool holds (blocks of 16
+    # tokens), for most turns: the GPU prefix cache alone cannot keep the sessions.
+    last: dict[str, int] = {}
+    between = []
+    for i, r in enumerate(recs):
+        if r.session is not None and r.turn:
+            between.append(sum(x.input_length for x in recs[last[r.session] + 1:i] if x.session != r.session))
+        if r.session is not None:
+            last[r.session] = i
+    assert between and sorted(between)[len(between) // 2] > MODEL_DEFAULTS["gpt-oss-20b"].num_gpu_blocks * 16
+
+
+def test_decode_heavy_returns_behind_long_decoders() -> None:
+    recs = BUILTIN["decode-heavy"](0).records
+    by = lambda phase: [r for r in recs if r.get("phase") == phase]  # noqa: E731
+    decoders, returns, short = by("decoders"), by("return"), by("short-background")
+    assert len(decoders) == 6 and all(1000 <= r.output_length <= 3500 for r in decoders)
+    assert len(returns) == 12 and all(r.turn == 1 and r.input_length > 4096 for r in returns)
+    for w in range(3):  # each wave's returns come 8-12 s after its decoders: mid-answer at Gemma's 15 ms a token
+        d = [r.timestamp_ms for r in decoders[2 * w:2 * w + 2]]
+        ret = [r.timestamp_ms for r in returns if r.session.startswith(f"w{w}-")]
+        assert max(d) < min(ret) < max(d) + 13000
+        assert sum(max(d) < r.timestamp_ms < max(ret) for r in short) >= 5  # short requests keep arriving
+    assert len(by("siblings")) == 24
 
 
 def test_mooncake_synthetic_is_carried() -> None:

@@ -21,11 +21,18 @@ class ModelDefaults:
     trace: str | None
 
 
-# models-and-traces.md §5: the Gemma seed pool, and DeepSeek-V4-Flash cell A.
+# models-and-traces.md §5: the Gemma seed pool, and DeepSeek-V4-Flash cell A. gpt-oss-20b: chosen for pressure, like
+# Gemma's, not from a deployment (an H100 would hold ~60 GB of its KV): 2,304 blocks of 16 tokens (384 KiB per block
+# id: 0.84 GiB, 36k tokens) is about the smallest pool in which a cold max_model_len request (2,048 full + 137 window
+# blocks) still fits. The 8 GiB tier holds about 320k tokens at the 26 KiB per cached token measured on the
+# built-in reuse workloads, less than their distinct prompt tokens, so the tier evicts too.
+GPU_BLOCKS_GPT_OSS = 2304
 MODEL_DEFAULTS = {
     "gemma-4-31b": ModelDefaults(2188, 40 * 2**30, 32768, "gemma4-31b-returning"),
     "deepseek-v4-flash": ModelDefaults(6144, 48 * 2**30, 1_048_576, "deepseek-v4-flash-1m"),
+    "gpt-oss-20b": ModelDefaults(GPU_BLOCKS_GPT_OSS, 8 * 2**30, 32768, "agent-tool-prefix"),
 }
+DEFAULT_MODEL = "gemma-4-31b"
 CUSTOM_DEFAULTS = ModelDefaults(4096, 40 * 2**30, 32768, None)
 
 
@@ -63,16 +70,18 @@ def parse_bytes(text: str) -> int:
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("replay", help="replay a workload through vLLM's real scheduler with several connectors",
                        description=__doc__)
-    p.add_argument("--model", default="gemma-4-31b",
-                   help="gemma-4-31b, deepseek-v4-flash, or a path to a config.json (default: gemma-4-31b)")
+    p.add_argument("--model", help="gemma-4-31b, deepseek-v4-flash, gpt-oss-20b, or a path to a config.json "
+                   "(default: the built-in workload's model, else gemma-4-31b)")
     p.add_argument("--trace", help="built-in workload (gemma4-31b-returning, deepseek-v4-flash-1m, "
-                   "mooncake-synthetic) or a Mooncake-format JSONL file; default: the model's workload")
+                   "mooncake-synthetic, agent-tool-prefix, rag-shared-docs, decode-heavy) or a Mooncake-format "
+                   "JSONL file; default: the model's workload")
     p.add_argument("--connectors", default=",".join(CONNECTORS),
                    help=f"comma-separated, from {', '.join(CONNECTORS)} (default: all)")
-    p.add_argument("--gpu-blocks", type=int, help="GPU KV pool blocks (default per model: gemma 2188, deepseek 6144)")
-    p.add_argument("--cpu-bytes", type=parse_bytes, help="CPU tier size (default per model: 40GiB / 48GiB)")
+    p.add_argument("--gpu-blocks", type=int, help="GPU KV pool blocks (default per model: gemma 2188, deepseek "
+                   f"6144, gpt-oss {GPU_BLOCKS_GPT_OSS})")
+    p.add_argument("--cpu-bytes", type=parse_bytes, help="CPU tier size (default per model: 40GiB / 48GiB / 8GiB)")
     p.add_argument("--max-num-batched-tokens", type=int, default=1024)
-    p.add_argument("--max-model-len", type=int, help="default per model: 32768 / 1048576")
+    p.add_argument("--max-model-len", type=int, help="default per model: 32768 / 1048576 / 32768")
     p.add_argument("--max-num-seqs", type=int, default=64)
     p.add_argument("--seed", type=int, default=0, help="workload generation and prompt token ids")
     p.add_argument("--limit", type=int, help="replay only the first N requests (mooncake-synthetic: 200)")
@@ -122,32 +131,41 @@ def run(args: argparse.Namespace) -> int:
     from offload_connector.replay.workloads import resolve_trace
     from offload_connector.sim.layouts import model_dir
 
+    workload = None
+    if args.trace is not None:  # first, so that a built-in workload can name the model it was sized for
+        try:
+            workload = resolve_trace(args.trace, args.seed)
+        except (TraceError, FileNotFoundError) as err:
+            print(f"offload-connector replay: --trace: {err}", file=sys.stderr)
+            return 2
+    model = args.model or (workload.default_model if workload else None) or DEFAULT_MODEL
     try:
-        model_dir(args.model)
+        model_dir(model)
     except FileNotFoundError as err:
         print(f"offload-connector replay: --model: {err}", file=sys.stderr)
         return 2
-    md = MODEL_DEFAULTS.get(args.model, CUSTOM_DEFAULTS)
+    md = MODEL_DEFAULTS.get(model, CUSTOM_DEFAULTS)
     trace = args.trace or md.trace
     if trace is None:
         print("offload-connector replay: --trace is required for a custom model", file=sys.stderr)
         return 2
-    try:
-        workload = resolve_trace(trace, args.seed)
-    except (TraceError, FileNotFoundError) as err:
-        print(f"offload-connector replay: --trace: {err}", file=sys.stderr)
-        return 2
+    if workload is None:
+        try:
+            workload = resolve_trace(trace, args.seed)
+        except (TraceError, FileNotFoundError) as err:
+            print(f"offload-connector replay: --trace: {err}", file=sys.stderr)
+            return 2
     td = TRACE_DEFAULTS.get(trace, TraceDefaults(None, 1.0))
     try:
         cfg = ReplayConfig(
-            model=args.model, connectors=tuple(c.strip() for c in args.connectors.split(",") if c.strip()),
+            model=model, connectors=tuple(c.strip() for c in args.connectors.split(",") if c.strip()),
             num_gpu_blocks=args.gpu_blocks or md.num_gpu_blocks, cpu_bytes=args.cpu_bytes or md.cpu_bytes,
             max_num_batched_tokens=args.max_num_batched_tokens, max_model_len=args.max_model_len or md.max_model_len,
             max_num_seqs=args.max_num_seqs, seed=args.seed, stall_steps=args.stall_steps, max_steps=args.max_steps,
             limit=args.limit if args.limit is not None else td.limit,
             time_scale=args.time_scale if args.time_scale is not None else td.time_scale,
             check_loads=not args.no_check_loads,
-            time_model=time_model_for(args.model if args.model in MODEL_DEFAULTS else "", bandwidth_gbps=
+            time_model=time_model_for(model if model in MODEL_DEFAULTS else "", bandwidth_gbps=
                                       args.bandwidth_gbps, overhead_ms=args.step_overhead_ms,
                                       prefill_token_us=args.prefill_token_us,
                                       decode_request_us=args.decode_request_us))
@@ -158,7 +176,7 @@ def run(args: argparse.Namespace) -> int:
     try:
         out = run_replay(workload, cfg, progress=_Bars(not args.no_progress))
     except NotImplementedError as err:  # a config.json whose layer specs the simulation cannot derive
-        print(f"offload-connector replay: --model {args.model}: {err}", file=sys.stderr)
+        print(f"offload-connector replay: --model {model}: {err}", file=sys.stderr)
         return 2
     print()
     print(header(out))

@@ -57,6 +57,10 @@ class TimeModel:
 MODEL_TIME_DEFAULTS: dict[str, TimeModel] = {
     "gemma-4-31b": TimeModel(15.0, 40.0, 50.0, basis="gemma-4-31b: 62 GB bf16 weights/forward, 62 GFLOP/token"),
     "deepseek-v4-flash": TimeModel(8.0, 20.0, 30.0, basis="deepseek-v4-flash: 13B active fp8, ~26 GFLOP/token"),
+    # gpt-oss-20b, at Gemma's rates: ~13 GB of weights (mxfp4 experts, bf16 rest) read per forward (~3 ms, plus
+    # launch overhead that weighs more on a small model); 3.6B active parameters, ~7 GFLOP per prompt token; a
+    # decoding request reads about a third of Gemma's KV bytes per token (24 KiB against 80 KiB plus windows).
+    "gpt-oss-20b": TimeModel(4.0, 5.0, 20.0, basis="gpt-oss-20b: 13 GB mxfp4/bf16 weights/forward, 7 GFLOP/token"),
 }
 GENERIC_TIME = TimeModel(15.0, 40.0, 50.0, basis="generic (Gemma-4-31B figures); override with --step-overhead-ms, "
                                                  "--prefill-token-us, --decode-request-us")

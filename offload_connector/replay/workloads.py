@@ -1,9 +1,12 @@
 """Built-in workloads (seeded, deterministic) and resolution of `--trace`.
 
-The two generated workloads follow models-and-traces.md §5, scaled down so that four connectors replay in minutes
-on a small CPU machine (shorter outputs, fewer sessions; what is scaled is listed in each generator). They are
-Mooncake-format records with the optional `session`/`turn` fields (see trace.py): later turns resume at the end of
-the previous answer, as a chat does. Each ends in a phase made to exercise admission of simultaneous loads.
+`gemma4-31b-returning` and `deepseek-v4-flash-1m` follow models-and-traces.md §5: each ends in a phase made to
+exercise admission of simultaneous loads. `agent-tool-prefix`, `rag-shared-docs` and `decode-heavy` exercise
+reuse: prefixes shared across requests that end inside a later prompt (not where an earlier one ended), returning
+turns behind filler that evicts the GPU prefix cache, and loads that must wait behind long decoders. All are scaled
+down so that every connector replays in minutes on a small CPU machine (shorter outputs, fewer sessions; what is
+scaled is listed in each generator). They are Mooncake-format records with the optional `session`/`turn` fields
+(see trace.py): later turns resume at the end of the previous answer, as a chat does.
 """
 
 from __future__ import annotations
@@ -183,6 +186,170 @@ def deepseek_v4_flash_1m(seed: int = 0) -> Workload:
     return Workload("deepseek-v4-flash-1m", g.done(), deepseek_v4_flash_1m.__doc__ or "", "deepseek-v4-flash")
 
 
+def agent_tool_prefix(seed: int = 0) -> Workload:
+    """Agentic traffic behind one long shared tool prefix, with sub-agent calls that share the prefix and diverge
+    inside it. The shape is Mooncake's tool&agent trace's (8.6k-token prompts, 182-token answers, 59% of prompt
+    tokens cached, models-and-traces.md §4): long shared prompts, short answers, many calls per task; here prompts
+    average 9.2k tokens, answers 72, and 72% of prompt tokens repeat an earlier request's prefix.
+
+    - prefix: a 1,024-token system prompt and 6,144 tokens of tool definitions (14 hash blocks, 7,168 tokens)
+      shared by every request of this workload except the filler; each of 3 agent roles adds its own 1-3k tokens
+      of instructions (2-6 blocks) behind them. A later agent's first prompt shares this prefix with earlier
+      agents' prompts and diverges inside them.
+    - agents: 12 sessions starting 4.5 s apart on average, each a task (300-1,500 tokens) and then 3-5 tool rounds:
+      the previous answer (a tool call, lognormal median 60 tokens) plus the tool's output (lognormal median
+      1,200, 200-4,000 tokens) after 5-25 s of tool latency; the last answer is longer (100-300). Contexts reach
+      12-20k tokens.
+    - sub-agent calls: 24 one-shot requests that share the tool prefix (half of them the role block too) and then
+      diverge (500-3,000 tokens of their own): the shared prefix ends at a hash-block boundary inside earlier
+      prompts, not where one of them ended.
+    - filler: unrelated chat requests (lognormal median 4k, 1.5-10k tokens, 16-128-token answers) every 3 s on
+      average for the whole run. With the other agents' turns, more new KV than a default GPU pool holds passes
+      between two turns of one agent, so the GPU prefix cache keeps the hot tool prefix but not the sessions.
+
+    Scaled down: 12 agents of at most 6 calls (real agent runs make tens of calls and live for minutes), answers
+    capped at 300 tokens, one tool prefix (real deployments serve several tool sets).
+    """
+    g = _Gen(seed)
+    shared = g.fresh(2) + g.fresh(12)  # system prompt, then tool definitions
+    roles = [shared + g.fresh(g.rng.randint(2, 6)) for _ in range(3)]
+    t = end = 0.0
+    for a in range(12):
+        t += g.rng.expovariate(1 / 4500)
+        name = f"agent-{a}"
+        role = roles[a % 3]
+        tt = t
+        g.turn(name, tt, 0, g.lognormal(60, 0.6, 16, 300), "agent",
+               first_input=len(role) * B + g.rng.randint(300, 1500), prefix=role)
+        rounds = g.rng.randint(3, 5)
+        for k in range(rounds):
+            tt += g.rng.uniform(5000, 25000)
+            n_out = g.rng.randint(100, 300) if k == rounds - 1 else g.lognormal(60, 0.6, 16, 300)
+            g.turn(name, tt, g.lognormal(1200, 0.7, 200, 4000), n_out, "agent")
+        end = max(end, tt)
+    for i in range(24):
+        prefix = g.rng.choice(roles) if i % 2 else shared
+        g.one_shot(g.rng.uniform(3000, end), len(prefix) * B + g.rng.randint(500, 3000),
+                   g.lognormal(48, 0.5, 16, 160), "sub-agent", prefix=prefix)
+    tf = 0.0
+    while tf < end:
+        tf += g.rng.expovariate(1 / 3000)
+        g.one_shot(tf, g.lognormal(4000, 0.6, 1500, 10000), g.lognormal(48, 0.6, 16, 128), "chat-filler")
+    return Workload("agent-tool-prefix", g.done(), agent_tool_prefix.__doc__ or "", "gpt-oss-20b")
+
+
+def rag_shared_docs(seed: int = 0) -> Workload:
+    """Retrieval-augmented queries over a shared pool of documents: the prompt is a system prompt, the retrieved
+    documents in rank order, then the question, so two queries share a prefix up to the first document where their
+    retrievals differ: a document boundary inside both prompts.
+
+    - system prompt: 1,024 tokens (2 hash blocks), shared by every query.
+    - documents: 20, each 4-16 whole hash blocks (2-8k tokens; lognormal median 4k), so each document boundary is a
+      hash-block boundary.
+    - queries: 64, 3 s apart on average. Each picks one of 8 topics (Zipf(1) popularity; a topic ranks 5 of the
+      documents) and takes the topic's top k (k = 2-4) documents in rank order; half of the queries perturb that
+      list (a later document swapped with its neighbour or replaced by another one of the pool), so they share
+      only up to the perturbed position. Lists are cut so the prompt stays under 26k tokens. Question: 60-400
+      tokens; answer: lognormal median 96 (32-256).
+    - follow-ups: 30% of queries get a second turn 15-45 s later (a 60-300-token question after the answer): reuse
+      that ends where the earlier prompt's answer ended.
+    - filler: unrelated one-shot prompts (lognormal median 6k, 2-14k tokens, 16-128-token answers) every 3.5 s on
+      average, so that between two queries of a topic the GPU prefix cache has turned over and the documents' KV
+      must come from the CPU tier.
+
+    Scaled down: 64 queries over about three minutes (a real RAG service sees many queries a second), a
+    20-document pool (real corpora are far larger, with a long tail that is never reused), answers capped at 256
+    tokens.
+    """
+    g = _Gen(seed)
+    system = g.fresh(2)
+    docs = [g.fresh(min(16, max(4, round(g.rng.lognormvariate(math.log(8), 0.45))))) for _ in range(20)]
+    topics = [g.rng.sample(range(len(docs)), 5) for _ in range(8)]
+    popularity = [1 / (i + 1) for i in range(len(topics))]
+    max_blocks = 26000 // B
+    t = 0.0
+    for q in range(64):
+        t += g.rng.expovariate(1 / 3000)
+        ranked = topics[g.rng.choices(range(len(topics)), popularity)[0]]
+        k = g.rng.randint(2, 4)
+        chosen = list(ranked[:k])
+        if g.rng.random() < 0.5:
+            j = g.rng.randint(1, k - 1)
+            if j + 1 < k and g.rng.random() < 0.5:
+                chosen[j], chosen[j + 1] = chosen[j + 1], chosen[j]
+            else:
+                chosen[j] = g.rng.choice([d for d in range(len(docs)) if d not in chosen])
+        ids = list(system)
+        for d in chosen:
+            if len(ids) + len(docs[d]) + 1 > max_blocks:  # + 1: the question's block
+                break
+            ids += docs[d]
+        name = f"rag-{q}"
+        g.turn(name, t, 0, g.lognormal(96, 0.5, 32, 256), "rag", first_input=len(ids) * B + g.rng.randint(60, 400),
+               prefix=ids)
+        if g.rng.random() < 0.3:
+            g.turn(name, t + g.rng.uniform(15000, 45000), g.rng.randint(60, 300), g.lognormal(96, 0.5, 32, 256),
+                   "rag-followup")
+    end = max(r.timestamp_ms for r in g.records)
+    tf = 0.0
+    while tf < end:
+        tf += g.rng.expovariate(1 / 3500)
+        g.one_shot(tf, g.lognormal(6000, 0.5, 2000, 14000), g.lognormal(48, 0.6, 16, 128), "rag-filler")
+    return Workload("rag-shared-docs", g.done(), rag_shared_docs.__doc__ or "", "gemma-4-31b")
+
+
+def decode_heavy(seed: int = 0) -> Workload:
+    """Long decoders hold the pool while requests with long shared prefixes return behind them, and short requests
+    keep arriving behind those: the mix in which a load deferred for want of blocks can age out, because every
+    block a finishing request frees is taken by a short request first.
+
+    Three waves, 60 s apart, each:
+    1. warm: 4 sessions compute 5-12k-token contexts (a 1,024-token system prefix shared by all, then a document
+       of their own) with 16-token answers. Each has 2 one-shot siblings (sent in step 4) that share its first
+       8-16 blocks (4-8k tokens) and diverge there, inside its prompt.
+    2. decoders: 2 requests (2-5k-token prompts) arrive together 4 s later and decode 1-3.5k tokens each (a
+       reasoning model's long answers); their KV grows for most of the wave on Gemma 4 31B's step times (15-60 s),
+       for a quarter of that on gpt-oss-20b's.
+    3. filler: 4 one-shot 6-10k-token prompts right behind the decoders, which with the decoders' growth evict the
+       warm contexts from the GPU prefix cache.
+    4. return: 8-12 s after the decoders start, the 4 sessions return (their context plus 300-1,000 new tokens)
+       and the 8 siblings arrive within the next second, all behind the decoders.
+    5. short: requests of 100-800 tokens with 16-96-token answers arrive every 400-900 ms from the decoders' start
+       to the end of the wave (and 20 s past the last one), taking blocks as soon as they free.
+
+    Scaled down: 3 waves (a service runs this mix continuously), 2 decoders per wave, answers up to 3.5k tokens
+    (reasoning traces run longer).
+    """
+    g = _Gen(seed)
+    system = g.fresh(2)
+    waves, wave_ms = 3, 60000
+    for w in range(waves):
+        t = w * wave_ms
+        names = [f"w{w}-ctx-{i}" for i in range(4)]
+        siblings: list[tuple[list[int], int]] = []
+        for i, name in enumerate(names):
+            rec = g.turn(name, t + 500 * i, 0, 16, "wave-warm", first_input=g.rng.randint(5000, 12000),
+                         prefix=system)
+            for _ in range(2):
+                keep = g.rng.randint(8, min(16, len(rec.hash_ids) - 1))
+                siblings.append((list(rec.hash_ids[:keep]), keep * B + g.rng.randint(300, 2000)))
+        td = t + 4000
+        for i in range(2):
+            g.one_shot(td + 10 * i, g.rng.randint(2000, 5000), g.rng.randint(1000, 3500), "decoders")
+        for i in range(4):
+            g.one_shot(td + 200 + 300 * i, g.rng.randint(6000, 10000), 8, "decode-filler")
+        tr = td + g.rng.uniform(8000, 12000)
+        for i, name in enumerate(names):
+            g.turn(name, tr + 100 * i, g.rng.randint(300, 1000), g.lognormal(96, 0.5, 32, 256), "return")
+        for i, (prefix, n_in) in enumerate(siblings):
+            g.one_shot(tr + 500 + 60 * i, n_in, g.lognormal(96, 0.5, 32, 256), "siblings", prefix=prefix)
+        ts, stop = td, t + wave_ms + (20000 if w == waves - 1 else 0)
+        while ts < stop:
+            ts += g.rng.uniform(400, 900)
+            g.one_shot(ts, g.rng.randint(100, 800), g.rng.randint(16, 96), "short-background")
+    return Workload("decode-heavy", g.done(), decode_heavy.__doc__ or "", "gemma-4-31b")
+
+
 MOONCAKE_FILE = "mooncake-synthetic.jsonl.gz"
 
 
@@ -199,6 +366,9 @@ BUILTIN: dict[str, Callable[[int], Workload]] = {
     "gemma4-31b-returning": gemma4_31b_returning,
     "deepseek-v4-flash-1m": deepseek_v4_flash_1m,
     "mooncake-synthetic": mooncake_synthetic,
+    "agent-tool-prefix": agent_tool_prefix,
+    "rag-shared-docs": rag_shared_docs,
+    "decode-heavy": decode_heavy,
 }
 
 

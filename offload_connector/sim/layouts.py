@@ -1,9 +1,9 @@
 """Scheduler-side KV cache layouts that vLLM would build for a model, built offline on CPU.
 
 Per-layer `KVCacheSpec`s are derived from a bare HF `config.json` exactly as the model code on a CUDA machine would
-return them (Gemma 4 through `Attention.get_kv_cache_spec` with FlashAttention; DeepSeek V4 through the FlashMLA-sparse
-`fp8_ds_mla` path). Grouping, block ids and block sizes are then left to vLLM's own planner, in EngineCore's order,
-so a change to vLLM's grouping shows up here instead of being frozen into a hand-written table.
+return them (Gemma 4 and gpt-oss through `Attention.get_kv_cache_spec` with FlashAttention; DeepSeek V4 through the
+FlashMLA-sparse `fp8_ds_mla` path). Grouping, block ids and block sizes are then left to vLLM's own planner, in
+EngineCore's order, so a change to vLLM's grouping shows up here instead of being frozen into a hand-written table.
 """
 
 from __future__ import annotations
@@ -158,6 +158,34 @@ def _gemma4_specs(vc: VllmConfig) -> dict[str, KVCacheSpec]:
     return specs
 
 
+def _gptoss_specs(vc: VllmConfig) -> dict[str, KVCacheSpec]:
+    """gpt-oss (`GptOssForCausalLM`): every layer is plain GQA attention with sinks; even layers slide.
+
+    vLLM's `OAIAttention._build_attention` gives layer i the window iff `i % 2 == 0` and ignores `layer_types`, so
+    that is the rule used here; a config whose `layer_types` says otherwise is refused rather than silently
+    replayed on a layout the HF model would not have. Sinks are per-head weights, not cache, so they do not change
+    the spec. Both kinds get the primary block (16, FlashAttention's, which `get_kv_cache_spec` keeps for the window
+    layers too when the backend runs it unsplit); equal heads and head size give equal pages, so the planner has
+    nothing to scale. One GPU: all 8 KV heads per layer.
+    """
+    hf = vc.model_config.hf_text_config
+    dtype = vc.model_config.dtype  # cache_dtype "auto"; the mxfp4 checkpoint quantizes experts, not the KV cache
+    bs = vc.cache_config.block_size
+    window = getattr(hf, "sliding_window", None)
+    types = getattr(hf, "layer_types", None)
+    specs: dict[str, KVCacheSpec] = {}
+    for i in range(hf.num_hidden_layers):
+        sliding = window is not None and i % 2 == 0
+        if types is not None and (types[i] == "sliding_attention") != sliding:
+            raise NotImplementedError(f"layer_types[{i}] is {types[i]!r}, but vLLM's gpt-oss applies the window to "
+                                      "even layers only")
+        kw: dict[str, Any] = dict(block_size=bs, num_kv_heads=hf.num_key_value_heads, head_size=hf.head_dim,
+                                  dtype=dtype)
+        name = f"model.layers.{i}.attn.attn"  # TransformerBlock.attn (OAIAttention) .attn (Attention)
+        specs[name] = SlidingWindowSpec(**kw, sliding_window=window) if sliding else FullAttentionSpec(**kw)
+    return specs
+
+
 def _dsv4_specs(vc: VllmConfig) -> dict[str, KVCacheSpec]:
     hf = vc.model_config.hf_text_config
     fp8 = dict(dtype=torch.uint8, cache_dtype_str=_DSV4_CACHE_DTYPE, state_content_bytes=_DSV4_BYTES_PER_TOKEN,
@@ -207,6 +235,8 @@ def layer_specs(vllm_config: VllmConfig) -> dict[str, KVCacheSpec]:
         return _dsv4_specs(vllm_config)
     if getattr(vllm_config.model_config.hf_text_config, "model_type", "").startswith("gemma4"):
         return _gemma4_specs(vllm_config)
+    if getattr(vllm_config.model_config.hf_text_config, "model_type", "") == "gpt_oss":
+        return _gptoss_specs(vllm_config)
     raise NotImplementedError(f"no layer specs for {vllm_config.model_config.architectures}")
 
 
