@@ -31,6 +31,7 @@ def test_defaults_and_suffixes():
     ({"cpu_bytes": 10, "load_timeout_s": "5s"}, "'load_timeout_s' must be a number of seconds >= 0"),
     ({"cpu_bytes": 10, "debug_fail_load": 1}, "'debug_fail_load' must be true or false"),
     ({"cpu_bytes": 10, "debug_load_delay_steps": -2}, "'debug_load_delay_steps' must be a positive integer"),
+    ({"cpu_bytes": 10, "fair_hold_after_steps": -3}, "'fair_hold_after_steps' must be a positive integer"),
     ({"cpu_bytes": 10, "admission_policy": "fifo"}, "'admission_policy' must be one of ['fair', 'greedy']"),
     ({"cpu_bytes": 10, "window_checkpoint_tokens": -1}, "'window_checkpoint_tokens' must be a positive integer"),
     ({"cpu_bytes": 10, "window_checkpoint_tokens": 1.5}, "'window_checkpoint_tokens' must be a positive integer"),

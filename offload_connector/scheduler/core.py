@@ -100,7 +100,8 @@ class OffloadScheduler:
         self._has_full = any(not g.recycling for g in self.groups)
         self._has_recycling = any(g.recycling for g in self.groups)
         policy = getattr(getattr(vllm_config, "scheduler_config", None), "policy", "fcfs")
-        self.fair = FairQueue(priority_policy=str(getattr(policy, "value", policy)) == "priority")
+        self.fair = FairQueue(priority_policy=str(getattr(policy, "value", policy)) == "priority",
+                              grace_steps=config.fair_hold_after_steps)
         self.counters = SchedulerCounters()
         self.stats = OffloadStatsSink()
         self.watchdog = StallWatchdog(config.stall_watchdog_steps)
@@ -212,7 +213,7 @@ class OffloadScheduler:
             self.counters.deferrals += 1
             self.stats.record_deferral("pool_full")
             if self.config.admission_policy == "fair":
-                self.fair.defer(request, sum(plan.now), plan.total)
+                self.fair.defer(request, self._step, sum(plan.now), plan.total)
             return None, False
         # TOO_BIG: the request's blocks through its prompt do not fit even an idle pool. A shorter hit would not
         # help: a load's total (now + remaining) is the request's need at its target minus the local blocks it
@@ -234,7 +235,7 @@ class OffloadScheduler:
         the holders' total is computed once per step and pool state (a waiting request asked here holds no blocks)."""
         if self.config.admission_policy != "fair" or self.config.reservation != "exact":
             return False
-        older = self.fair.oldest_ahead_of(request)
+        older = self.fair.oldest_ahead_of(request, self._step)
         if older is None:
             return False
         free = self._pool.get_num_free_blocks()

@@ -4,7 +4,9 @@ A deferred load answers `None` to vLLM, which then skips it and goes on down its
 newer requests behind it take every block that frees up and the load waits until it ages out and its prefix is
 recomputed. With `admission_policy: "fair"` the connector remembers every deferred load with the room it needs and,
 when vLLM asks about a request that arrived later (in vLLM's own queue order: arrival, or priority then arrival),
-holds that request back (`None`) unless it fits next to the oldest deferred load's need.
+holds that request back (`None`) unless it fits next to the oldest deferred load's need. A deferred load starts
+holding others back only after `fair_hold_after_steps` steps: a load that waits for long decoders to finish would
+otherwise keep short requests waiting all that time without being admitted any sooner.
 
 Why this cannot stall: only requests *behind* a deferred load are held, and the deferred load waits only for blocks
 held by requests that are already running or already admitted (they finish and give them back); a load that could
@@ -22,13 +24,15 @@ from typing import Any
 class DeferredLoad:
     request_id: str
     order: tuple[float, ...]  # vLLM's queue order: smaller goes first
+    since: int  # scheduler step of its first deferral
     now: int  # blocks (all groups) its load takes from the free pool when admitted
     total: int  # now + what it may still take through its prompt
 
 
 class FairQueue:
-    def __init__(self, priority_policy: bool) -> None:
+    def __init__(self, priority_policy: bool, grace_steps: int = 0) -> None:
         self._priority = priority_policy
+        self._grace = grace_steps
         self._deferred: dict[str, DeferredLoad] = {}
 
     def order(self, request: Any) -> tuple[float, ...]:
@@ -37,18 +41,21 @@ class FairQueue:
             return (float(getattr(request, "priority", 0) or 0), arrival)
         return (arrival,)
 
-    def defer(self, request: Any, now: int, total: int) -> None:
-        self._deferred[request.request_id] = DeferredLoad(request.request_id, self.order(request), now, total)
+    def defer(self, request: Any, step: int, now: int, total: int) -> None:
+        old = self._deferred.get(request.request_id)
+        since = step if old is None else old.since
+        self._deferred[request.request_id] = DeferredLoad(request.request_id, self.order(request), since, now, total)
 
     def clear(self, request_id: str) -> None:
         self._deferred.pop(request_id, None)
 
-    def oldest_ahead_of(self, request: Any) -> DeferredLoad | None:
-        """The deferred load that vLLM's queue puts first, if it is ahead of `request`."""
+    def oldest_ahead_of(self, request: Any, step: int) -> DeferredLoad | None:
+        """The deferred load that vLLM's queue puts first, if it is ahead of `request` and has waited its grace."""
         if not self._deferred:
             return None
         me = self.order(request)
-        ahead = [d for d in self._deferred.values() if d.request_id != request.request_id and d.order < me]
+        ahead = [d for d in self._deferred.values()
+                 if d.request_id != request.request_id and d.order < me and step - d.since >= self._grace]
         return min(ahead, key=lambda d: d.order) if ahead else None
 
     def __len__(self) -> int:
