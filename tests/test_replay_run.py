@@ -129,3 +129,18 @@ def test_cli_defaults_to_the_workloads_model_and_replays_gpt_oss(tmp_path) -> No
     for name in ("offload", "vllm-offloading"):
         assert res[name]["tokens_loaded_from_cpu"] > 0, name
         assert res[name]["tokens_recomputed"] < res["none"]["tokens_recomputed"], name
+
+
+@pytest.mark.parametrize("text, needle", [
+    ('{"nope": 1}', "unknown key(s) ['nope']"),
+    ('{"window_checkpoint_tokens": -1}', "'window_checkpoint_tokens' must be a positive integer"),
+    ('[1', "not JSON"),
+    ('[1]', "must be a JSON object"),
+    ('{"cpu_bytes": 5}', "set by --cpu-bytes"),
+])
+def test_cli_offload_config_is_checked_before_the_run(text, needle, capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as exc:
+        main(["replay", "--offload-config", text, "--no-progress"])
+    assert exc.value.code == 2
+    err = capsys.readouterr().err
+    assert needle in err and "Traceback" not in err

@@ -67,6 +67,25 @@ def parse_bytes(text: str) -> int:
     raise argparse.ArgumentTypeError(f"{text!r} is not a byte size (e.g. 40GiB, 64g, 512Mi, 1000000)")
 
 
+def _offload_config(text: str) -> dict[str, Any]:
+    """Parsed and validated before anything runs, with the connector's own config checks."""
+    from offload_connector.config import ConfigError, OffloadConfig
+
+    try:
+        extra = json.loads(text)
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(f"not JSON: {err}") from None
+    if not isinstance(extra, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    if "cpu_bytes" in extra or "reservation" in extra:
+        raise argparse.ArgumentTypeError("cpu_bytes and reservation are set by --cpu-bytes and the column")
+    try:
+        OffloadConfig.from_extra_config({"cpu_bytes": 1, **extra})
+    except ConfigError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+    return extra
+
+
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("replay", help="replay a workload through vLLM's real scheduler with several connectors",
                        description=__doc__)
@@ -93,6 +112,10 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--prefill-token-us", type=float, help="cost per prompt token (model default)")
     p.add_argument("--decode-request-us", type=float, help="cost per decoding request (model default)")
     p.add_argument("--no-check-loads", action="store_true", help="skip checking loaded block contents (faster)")
+    p.add_argument("--offload-config", type=_offload_config, default={},
+                   help='JSON object of kv_connector_extra_config keys for the offload columns, e.g. '
+                        '\'{"window_checkpoint_tokens": 0, "admission_policy": "greedy"}\' (cpu_bytes comes from '
+                        '--cpu-bytes)')
     p.add_argument("--json", help="write the results here")
     p.add_argument("--plot", help="write a PNG plot here")
     p.add_argument("--no-progress", action="store_true")
@@ -164,7 +187,7 @@ def run(args: argparse.Namespace) -> int:
             max_num_seqs=args.max_num_seqs, seed=args.seed, stall_steps=args.stall_steps, max_steps=args.max_steps,
             limit=args.limit if args.limit is not None else td.limit,
             time_scale=args.time_scale if args.time_scale is not None else td.time_scale,
-            check_loads=not args.no_check_loads,
+            check_loads=not args.no_check_loads, offload_extra=tuple(sorted(args.offload_config.items())),
             time_model=time_model_for(model if model in MODEL_DEFAULTS else "", bandwidth_gbps=
                                       args.bandwidth_gbps, overhead_ms=args.step_overhead_ms,
                                       prefill_token_us=args.prefill_token_us,

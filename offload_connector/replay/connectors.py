@@ -44,6 +44,9 @@ class EngineSettings:
     max_model_len: int
     max_num_seqs: int
     check_loads: bool = True
+    # Extra kv_connector_extra_config keys for our connector's columns (e.g. window_checkpoint_tokens), as JSON
+    # pairs so the frozen settings stay hashable.
+    offload_extra: tuple[tuple[str, Any], ...] = ()
 
 
 class ReplayEngine:
@@ -54,7 +57,8 @@ class ReplayEngine:
             raise ValueError(f"unknown connector {kind!r}; choose from {', '.join(CONNECTORS)}")
         kt = None
         if kind in ("offload", "offload-vllm-reservation"):
-            kt = connector_config("exact" if kind == "offload" else "vllm", settings.cpu_bytes)
+            kt = connector_config("exact" if kind == "offload" else "vllm", settings.cpu_bytes,
+                                  **dict(settings.offload_extra))
         elif kind in VLLM_OFFLOADING:
             from offload_connector.sim.vllm_offloading import offloading_config
             kt = offloading_config(settings.cpu_bytes)

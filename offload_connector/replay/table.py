@@ -93,7 +93,8 @@ def header(out: Any) -> str:
         f"pool {cfg.num_gpu_blocks:,} GPU blocks, CPU tier {cfg.cpu_bytes / 2**30:.1f} GiB, "
         f"max_num_batched_tokens {cfg.max_num_batched_tokens}, max_model_len {cfg.max_model_len:,}, "
         f"max_num_seqs {cfg.max_num_seqs}, async scheduling (2 batches in flight), seed {cfg.seed}, "
-        f"time scale {cfg.time_scale}",
+        f"time scale {cfg.time_scale}"
+        + (f", offload config {dict(cfg.offload_extra)}" if getattr(cfg, "offload_extra", ()) else ""),
         f"step time = {tm.overhead_ms} ms + {tm.prefill_token_us} us x prompt tokens + {tm.decode_request_us} us x "
         f"decoding requests (empty step {tm.idle_step_ms} ms) [{tm.basis}]",
         f"transfers: bytes / {tm.bandwidth_gbps} GB/s per direction, one job after another per direction",
