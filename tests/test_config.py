@@ -8,7 +8,7 @@ def test_defaults_and_suffixes():
     assert cfg.cpu_bytes == 64 * 10**9 and cfg.reservation == "exact"
     assert OffloadConfig.from_extra_config({"cpu_bytes": "512Mi"}).cpu_bytes == 512 * 2**20
     assert OffloadConfig.from_extra_config({"cpu_bytes": 1024.0}).cpu_bytes == 1024
-    assert cfg.admission_policy == "fair" and cfg.window_checkpoint_tokens == 4096
+    assert cfg.admission_policy == "fair" and cfg.window_checkpoint_tokens == 8192 and cfg.fair_hold_after_steps == 1000
     assert OffloadConfig.from_extra_config({"cpu_bytes": 1, "window_checkpoint_tokens": 0}).window_checkpoint_tokens == 0
 
 

@@ -55,7 +55,9 @@ def outcomes():
         # The previous default: greedy admission, a load given up after 200 deferred steps.
         "greedy-200": _scene("greedy", max_deferral_steps=200)[1],
         "greedy": _scene("greedy")[1],
-        "fair": _scene("fair")[1],
+        # Held from the first deferred step, so the stream of small requests cannot take a block the load needs.
+        "fair": _scene("fair", fair_hold_after_steps=0)[1],
+        "fair-default": _scene("fair")[1],
     }
 
 
@@ -72,3 +74,7 @@ def test_fair_admission_loads_it_and_serves_it_first(outcomes):
     assert f["held"] > 0  # newer requests were held back for it
     assert f["first_token_step"] < outcomes["greedy"]["first_token_step"]
     assert f["first_token_step"] < outcomes["greedy-200"]["first_token_step"]
+    # With the default grace (1,000 steps before holding others back) it is loaded too, and no later than greedy.
+    d = outcomes["fair-default"]
+    assert d["ret_loaded"] and d["aged_out"] == 0
+    assert d["first_token_step"] <= outcomes["greedy"]["first_token_step"]

@@ -10,11 +10,11 @@ from offload_connector.sim.requests import make_request, tokens
 from offload_connector.sim.scenarios import connector_config
 
 
-@pytest.mark.parametrize("spacing, share", [(0, 1 / 5), (4096, 0.35)])
+@pytest.mark.parametrize("spacing, share", [(0, 1 / 5), (8192, 0.25), (4096, 0.35)])
 def test_gemma4_16k_conversation_host_bytes(spacing, share):
     """Without checkpoints a 16k conversation takes at most a fifth of the bytes of storing every block; with the
-    default 4,096-token checkpoints, at most 0.35 of them: every full-attention block (80 KiB of 880 KiB per token)
-    plus the 1,024-token windows at 4,096, 8,192, 12,288 and the prompt's end, and the answer's blocks."""
+    default 8,192-token checkpoints at most a quarter: every full-attention block (80 KiB of 880 KiB per token) plus
+    the 1,024-token windows at 8,192 and at the prompt's end, and the answer's blocks (4,096: 0.35)."""
     vc = build_vllm_config("gemma-4-31b", max_model_len=32768, max_num_batched_tokens=1024, num_gpu_blocks=2188,
                            kv_transfer_config=connector_config("exact", 64 * 2**30,
                                                                window_checkpoint_tokens=spacing))
