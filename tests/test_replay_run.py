@@ -32,8 +32,7 @@ def _line(t: float, n_in: int, n_out: int, ids: list[int]) -> str:
 
 def _returning_trace() -> list[str]:
     """Two 6,144-token prompts, 80k tokens of filler that push them out of the GPU prefix cache, then two prompts
-    that start with them return. (A shared prefix that ends inside an earlier prompt is not restorable on Gemma by
-    either connector: both keep sliding windows only where a prompt or an answer ended.)"""
+    that start with them return (their shared prefixes end where the earlier prompts ended)."""
     lines = [_line(0, 6144, 4, list(range(12))), _line(100, 6144, 4, list(range(100, 112)))]
     lines += [_line(1000 + 200 * i, 8000, 2, list(range(1000 + 16 * i, 1016 + 16 * i))) for i in range(10)]
     lines += [_line(9000, 7000, 8, list(range(12)) + [500, 501]),
@@ -144,3 +143,19 @@ def test_cli_offload_config_is_checked_before_the_run(text, needle, capsys: pyte
     assert exc.value.code == 2
     err = capsys.readouterr().err
     assert needle in err and "Traceback" not in err
+
+
+def test_ours_resumes_a_prefix_shared_up_to_a_point_inside_an_earlier_prompt() -> None:
+    """A 12,288-token prompt, filler, then two requests sharing its first 9,216 tokens (a point inside it). The
+    first resumes at the 8,192-token checkpoint; it computes through 9,216 and stores the window there (a junction),
+    so the second resumes at 9,216."""
+    first = list(range(24))
+    lines = [_line(0, 12288, 4, first)]
+    lines += [_line(1000 + 200 * i, 8000, 2, list(range(1000 + 16 * i, 1016 + 16 * i))) for i in range(10)]
+    lines += [_line(9000, 10240, 4, first[:18] + [500, 501]), _line(12000, 10240, 4, first[:18] + [600, 601])]
+    w = Workload("mid-prompt", tuple(parse_lines(lines, "mid")), "")
+    out = run_replay(w, _cfg(("offload", "none")))
+    res = {r.result.connector: r.result for r in out.runs}
+    assert not res["offload"].stalled and res["offload"].requests_completed == 13
+    assert res["offload"].tokens_loaded_from_cpu == 8192 + 9216
+    assert res["offload"].tokens_recomputed < res["none"].tokens_recomputed
