@@ -343,7 +343,7 @@ class OffloadScheduler:
             adm.live_after = tuple(c[1] for c in counts)
         local = hit - num_external_tokens
         keys = self._keys(request)
-        groups_, gpu, keylist = [], [], []
+        groups_, gpu, keylist, load_ends = [], [], [], []
         for g in self.groups:
             ids = block_ids[g.index]
             start = max(local // g.block_size, g.first_live_block(hit))
@@ -352,6 +352,9 @@ class OffloadScheduler:
                 groups_.append(g.index)
                 gpu.append(ids[i])
                 keylist.append(key)
+                load_ends.append((i + 1) * g.block_size)
+        order = sorted(range(len(keylist)), key=lambda j: load_ends[j])  # prefix order across groups (see stores)
+        groups_, gpu, keylist = [groups_[j] for j in order], [gpu[j] for j in order], [keylist[j] for j in order]
         slots = self.tier.pin(keylist)
         self.tier.touch(keylist)
         job = TransferJob(self._new_job_id(), rid, tuple(groups_), tuple(gpu), tuple(slots))
@@ -387,7 +390,7 @@ class OffloadScheduler:
         request = state.request
         keys = self._keys(request)
         done = min(computed, keys.hashed_tokens())
-        groups_, gpu, keylist = [], [], []
+        groups_, gpu, keylist, positions = [], [], [], []  # positions: token just past each block
 
         def ids_for(g: GroupInfo) -> list[int] | None:
             if block_ids is not None:
@@ -407,6 +410,7 @@ class OffloadScheduler:
                 groups_.append(g.index)
                 gpu.append(ids[i])
                 keylist.append(keys(g.index, i))
+                positions.append((i + 1) * g.block_size)
             state.full_stored[g.index] = max(state.full_stored[g.index], end)
 
         upto = done - done % self.alignment
@@ -414,7 +418,7 @@ class OffloadScheduler:
                               self.config.window_checkpoint_tokens, state.junctions) if self._has_recycling else []
         state.window_scanned = max(state.window_scanned, upto)
         for point in points:
-            window: list[tuple[int, int, Hashable]] = []
+            window: list[tuple[int, int, Hashable, int]] = []
             ends: list[tuple[int, int]] = []
             for g in self.groups:
                 if not g.recycling:
@@ -425,19 +429,25 @@ class OffloadScheduler:
                 if ids is None or len(ids) < rng.stop or any(ids[i] == 0 for i in new):
                     window = []  # part of this window already left the GPU: the point is not restorable
                     break
-                window.extend((g.index, ids[i], keys(g.index, i)) for i in new)
+                window.extend((g.index, ids[i], keys(g.index, i), (i + 1) * g.block_size) for i in new)
                 ends.append((g.index, rng.stop))
             else:
                 state.window_boundary = point
                 for gi, stop in ends:
                     state.window_next[gi] = stop
-            for gi, bid, key in window:
+            for gi, bid, key, end_token in window:
                 groups_.append(gi)
                 gpu.append(bid)
                 keylist.append(key)
+                positions.append(end_token)
 
         if not keylist:
             return
+        # In prefix order across groups, so that the tier ages a prefix from its tail whatever the group: a window
+        # is evicted together with the full-attention blocks around its point, not before them (which left those
+        # full-attention blocks useless past the last window still stored).
+        order = sorted(range(len(keylist)), key=positions.__getitem__)
+        groups_, gpu, keylist = ([groups_[i] for i in order], [gpu[i] for i in order], [keylist[i] for i in order])
         reserved = dict(self.tier.begin_store(keylist))
         if not reserved:
             return
