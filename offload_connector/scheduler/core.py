@@ -160,7 +160,8 @@ class OffloadScheduler:
         if request.request_id in self._loads:
             return 0, False
         if state.no_load:  # recomputing its prefix; still behind any older deferred load
-            return (None, False) if self._held_for_older(request, num_computed_tokens, num_computed_tokens) else (0, False)
+            held = self._held_for_older(request, num_computed_tokens, num_computed_tokens)
+            return (None, False) if held else (0, False)
         self.counters.lookups += 1
         # Leave at least one prompt token to compute: the step that computes it produces the first output.
         upper = request.num_tokens - 1

@@ -15,7 +15,8 @@ chunk is never preempted. Here every quantity is counted from live blocks:
 
 A load is admitted only if `now` fits in the free pool next to the remaining need of every request that already holds
 blocks and has not finished its prompt, plus vLLM's watermark, and `now + remaining` fits the free pool on its own;
-from then on its own `remaining` is part of that reservation for every later load. A load whose `now + remaining` could not fit even an idle pool is never admitted.
+from then on its own `remaining` is part of that reservation for every later load. A load whose `now + remaining`
+could not fit even an idle pool is never admitted.
 """
 
 from __future__ import annotations
