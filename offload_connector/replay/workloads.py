@@ -71,6 +71,14 @@ class _Gen:
         ids = keep + self.fresh(math.ceil(n_in / B) - len(keep))
         return self.add(t_ms, n_in, n_out, ids, phase, session, (prev.turn or 0) + 1)
 
+    def filler(self, end_ms: float, mean_gap_ms: float, prompt: tuple[float, float, int, int], phase: str) -> None:
+        """Unrelated one-shot requests (Poisson arrivals until `end_ms`, lognormal prompts, short answers) that
+        push shared prefixes out of the GPU prefix cache."""
+        t = 0.0
+        while t < end_ms:
+            t += self.rng.expovariate(1 / mean_gap_ms)
+            self.one_shot(t, self.lognormal(*prompt), self.lognormal(48, 0.6, 16, 128), phase)
+
     def lognormal(self, median: float, sigma: float, lo: int, hi: int) -> int:
         return int(min(hi, max(lo, self.rng.lognormvariate(math.log(median), sigma))))
 
@@ -231,10 +239,7 @@ def agent_tool_prefix(seed: int = 0) -> Workload:
         prefix = g.rng.choice(roles) if i % 2 else shared
         g.one_shot(g.rng.uniform(3000, end), len(prefix) * B + g.rng.randint(500, 3000),
                    g.lognormal(48, 0.5, 16, 160), "sub-agent", prefix=prefix)
-    tf = 0.0
-    while tf < end:
-        tf += g.rng.expovariate(1 / 3000)
-        g.one_shot(tf, g.lognormal(4000, 0.6, 1500, 10000), g.lognormal(48, 0.6, 16, 128), "chat-filler")
+    g.filler(end, 3000, (4000, 0.6, 1500, 10000), "chat-filler")
     return Workload("agent-tool-prefix", g.done(), agent_tool_prefix.__doc__ or "", "gpt-oss-20b")
 
 
@@ -291,10 +296,7 @@ def rag_shared_docs(seed: int = 0) -> Workload:
             g.turn(name, t + g.rng.uniform(15000, 45000), g.rng.randint(60, 300), g.lognormal(96, 0.5, 32, 256),
                    "rag-followup")
     end = max(r.timestamp_ms for r in g.records)
-    tf = 0.0
-    while tf < end:
-        tf += g.rng.expovariate(1 / 3500)
-        g.one_shot(tf, g.lognormal(6000, 0.5, 2000, 14000), g.lognormal(48, 0.6, 16, 128), "rag-filler")
+    g.filler(end, 3500, (6000, 0.5, 2000, 14000), "rag-filler")
     return Workload("rag-shared-docs", g.done(), rag_shared_docs.__doc__ or "", "gemma-4-31b")
 
 
