@@ -34,7 +34,6 @@ class _LoadState:
 class _ReqState:
     request: Any
     full_stored: list[int]  # per group: blocks [0, n) already handed to the tier (or found there)
-    window_boundary: int = 0  # last boundary whose recycling-group window was stored
     window_scanned: int = 0  # boundaries up to here were considered for window stores
     junctions: set[int] = field(default_factory=set)  # shared-prefix ends found at lookup without a window
     window_next: list[int] = field(default_factory=list)  # per group: window blocks below this were handed over
@@ -364,7 +363,6 @@ class OffloadScheduler:
         state.deferred_since = None
         # Blocks below the hit are on the GPU once the load lands; store planning starts after them.
         state.full_stored = [hit // g.block_size if not g.recycling else 0 for g in self.groups]
-        state.window_boundary = hit
         state.window_scanned = hit
         state.window_next = [hit // g.block_size for g in self.groups]
         self.counters.loads_admitted += 1
@@ -433,7 +431,6 @@ class OffloadScheduler:
                 window.extend((g.index, ids[i], keys(g.index, i), (i + 1) * g.block_size) for i in new)
                 ends.append((g.index, rng.stop))
             else:
-                state.window_boundary = point
                 for gi, stop in ends:
                     state.window_next[gi] = stop
             for gi, bid, key, end_token in window:
