@@ -57,6 +57,3 @@ class FairQueue:
         ahead = [d for d in self._deferred.values()
                  if d.request_id != request.request_id and d.order < me and step - d.since >= self._grace]
         return min(ahead, key=lambda d: d.order) if ahead else None
-
-    def __len__(self) -> int:
-        return len(self._deferred)
