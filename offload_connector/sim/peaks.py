@@ -36,7 +36,7 @@ class PeakChecker:
 
     def before_schedule(self, sched: Any, side: Any) -> None:
         self._row_bounds = {row.request_id: tuple(h + r for h, r in zip(row.held, row.remaining))
-                            for row in side._rows()}
+                            for row in side.snapshot().rows}
         self._computed_before = {rid: req.num_computed_tokens for rid, req in sched.requests.items()}
 
     def after_schedule(self, sched: Any, side: Any, step: int) -> None:
@@ -52,7 +52,7 @@ class PeakChecker:
             if any(n > b for n, b in zip(now, bound)):
                 self.violations.append(f"step {step}: {rid} holds {now} blocks per group, its ledger row allowed "
                                        f"{list(bound)}")
-        self._adopt_admissions(side)
+        self._adopt_admissions(sched, side)
         for rid, tr in list(self._tracked.items()):
             req = sched.requests.get(rid)
             before = self._computed_before.get(rid, 0)
@@ -62,7 +62,7 @@ class PeakChecker:
                 continue
             tr.peak = [max(p, n) for p, n in zip(tr.peak, live(rid))]
 
-    def _adopt_admissions(self, side: Any) -> None:
+    def _adopt_admissions(self, sched: Any, side: Any) -> None:
         # vLLM allocates an admitted load inside the same schedule() call or never, so each admission is looked at
         # once, on the step it was made.
         fresh = []
@@ -75,8 +75,8 @@ class PeakChecker:
             if adm.free_after is None:
                 continue  # refused by vLLM after our verdict, or only logged (reservation "vllm")
             reserved = tuple(lv + rem for lv, rem in zip(adm.plan.live, adm.plan.remaining))
-            req = side._requests.get(adm.request_id)
-            prompt = req.request.num_prompt_tokens if req is not None else 0
+            req = sched.requests.get(adm.request_id)
+            prompt = req.num_prompt_tokens if req is not None else 0
             old = self._tracked.pop(adm.request_id, None)
             if old is not None:
                 self._finish(adm.request_id, old)
