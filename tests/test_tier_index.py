@@ -50,32 +50,3 @@ def test_store_stops_at_first_block_without_room():
     tier = TierIndex(2, [10])
     got = tier.begin_store(keys(3))  # nothing evictable: a prefix with a hole is useless
     assert [k for k, _ in got] == keys(2)
-
-
-def test_prefixes_that_served_a_load_outlive_one_shot_traffic():
-    """Segmented LRU: entries that served a load are evicted only after every entry that never did."""
-    tier = TierIndex(10, [10])
-    reused, once = keys(3, tag="r"), keys(3, tag="o")
-    for k in (reused, once):
-        tier.begin_store(k)
-        tier.finish_store(k)
-    tier.pin(reused)  # a load reads them...
-    tier.unpin(reused)  # ...and lands: they are the most recent *and* protected now
-    tier.touch(once)  # plain recency does not protect: `once` never served a load
-    flood = keys(6, tag="f")
-    tier.begin_store(flood)
-    tier.finish_store(flood)
-    # 10 slots, 12 entries asked for: the two evicted are `once`'s, although `reused` is older by recency.
-    assert all(tier.is_ready(k) for k in reused)
-    assert sum(tier.is_ready(k) for k in once) == 1 and tier.evictions == 2
-
-
-def test_protected_segment_is_capped():
-    tier = TierIndex(10, [10])  # 0.3 of 10 slots: at most 3 protected entries
-    a = keys(5, tag="a")
-    tier.begin_store(a)
-    tier.finish_store(a)
-    tier.pin(a)
-    tier.unpin(a)  # unpinned tail first: a[4] ... a[0]; the two oldest of those drop back to probation
-    tier.begin_store(keys(7, tag="n"))  # 12 asked for 10 slots: two evictions, from probation
-    assert [tier.is_ready(k) for k in a] == [True, True, True, False, False]

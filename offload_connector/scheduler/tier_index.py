@@ -6,8 +6,7 @@ size of any group (vLLM's GPU pool does the same: every group's block is one blo
 worker can address a slot as `slot * slot_bytes` without knowing the group.
 
 Entries move through: stored (pinned, not yet readable) -> ready (readable, evictable when unpinned) -> evicted.
-A load pins ready entries so eviction cannot reuse their slots while the copy runs. Eviction is a segmented LRU:
-entries that have served a load are evicted only after every entry that never has.
+A load pins ready entries so eviction cannot reuse their slots while the copy runs.
 """
 
 from __future__ import annotations
@@ -17,7 +16,6 @@ from dataclasses import dataclass
 from typing import Hashable, Iterable, Sequence
 
 Key = tuple[int, Hashable]  # (group index, vLLM block hash)
-PROTECTED_SHARE = 0.3  # of the tier's slots, at most, for entries that have served a load
 
 
 @dataclass
@@ -26,7 +24,6 @@ class _Entry:
     nbytes: int
     ready: bool = False
     pins: int = 1  # created pinned by the store that fills it
-    loaded: bool = False  # has served a load: kept in the protected segment
 
 
 @dataclass(frozen=True)
@@ -47,13 +44,8 @@ class TierIndex:
         self.capacity_slots = capacity_slots
         self._group_bytes = list(group_block_bytes)
         self._entries: dict[Key, _Entry] = {}
-        # Ready, unpinned entries in eviction order (oldest first), in two segments (segmented LRU): entries that
-        # have served a load are evicted only after every entry that never has, so one-shot traffic (filler,
-        # prompts nobody returns to) cannot push out prefixes that are being reused. The protected segment is
-        # capped so that new prefixes still find room; its oldest entries drop back to probation.
-        self._evictable: OrderedDict[Key, None] = OrderedDict()  # probation
-        self._protected: OrderedDict[Key, None] = OrderedDict()
-        self._protected_cap = max(1, int(capacity_slots * PROTECTED_SHARE))
+        # Ready, unpinned entries in eviction order (oldest first).
+        self._evictable: OrderedDict[Key, None] = OrderedDict()
         self._free_slots: list[int] = []
         self._next_slot = 0
         self._used_bytes = 0
@@ -84,13 +76,6 @@ class TierIndex:
             evictions=self.evictions,
             store_rejections=self.store_rejections,
         )
-
-    def is_evictable(self, key: Key) -> bool:
-        return key in self._evictable or key in self._protected
-
-    def evictable_keys(self) -> list[Key]:
-        """In eviction order: probation oldest first, then the protected segment oldest first."""
-        return [*self._evictable, *self._protected]
 
     def pin_count(self, key: Key) -> int:
         entry = self._entries.get(key)
@@ -141,9 +126,7 @@ class TierIndex:
             if not entry.ready:
                 raise KeyError(f"tier entry {key!r} is not readable yet")
             entry.pins += 1
-            entry.loaded = True
             self._evictable.pop(key, None)
-            self._protected.pop(key, None)
             slots.append(entry.slot)
         return slots
 
@@ -155,14 +138,13 @@ class TierIndex:
             entry.pins -= 1
             assert entry.pins >= 0, key
             if entry.pins == 0 and entry.ready:
-                self._release(key, entry)
+                self._evictable[key] = None
 
     def touch(self, keys: Sequence[Key]) -> None:
         """Mark a prefix as recently used, tail first so that its head is the most recent."""
         for key in reversed(keys):
-            for segment in (self._evictable, self._protected):
-                if key in segment:
-                    segment.move_to_end(key)
+            if key in self._evictable:
+                self._evictable.move_to_end(key)
 
     def drop(self, keys: Iterable[Key]) -> None:
         """Forget entries whose contents are known bad (a failed load); pinned entries go when unpinned."""
@@ -178,30 +160,16 @@ class TierIndex:
         if self._next_slot < self.capacity_slots:
             self._next_slot += 1
             return self._next_slot - 1
-        if self._evictable:
-            victim, _ = self._evictable.popitem(last=False)
-        elif self._protected:
-            victim, _ = self._protected.popitem(last=False)
-        else:
+        if not self._evictable:
             return None
+        victim, _ = self._evictable.popitem(last=False)
         self.evictions += 1
         entry = self._entries.pop(victim)
         self._used_bytes -= entry.nbytes
         return entry.slot
 
-    def _release(self, key: Key, entry: _Entry) -> None:
-        """An entry becomes evictable: into the protected segment if it has served a load, else probation."""
-        if not entry.loaded:
-            self._evictable[key] = None
-            return
-        self._protected[key] = None
-        while len(self._protected) > self._protected_cap:
-            old, _ = self._protected.popitem(last=False)
-            self._evictable[old] = None
-
     def _drop(self, key: Key) -> None:
         entry = self._entries.pop(key)
         self._evictable.pop(key, None)
-        self._protected.pop(key, None)
         self._used_bytes -= entry.nbytes
         self._free_slots.append(entry.slot)

@@ -231,14 +231,14 @@ def step_invariants(drv: SchedulerDriver) -> list[str]:
                             f" (ready={entry.ready}, loads={expected.get(key, 0)}, stores={store_keys.get(key, 0)})")
         if not entry.ready and store_keys.get(key, 0) != 1:
             problems.append(f"tier entry {key!r} is being stored by {store_keys.get(key, 0)} tracked jobs")
-        if entry.ready and entry.pins == 0 and not tier.is_evictable(key):
+        if entry.ready and entry.pins == 0 and key not in tier._evictable:
             problems.append(f"idle ready tier entry {key!r} is not evictable (leaked)")
         if entry.ready and isinstance(engine, TagCopyEngine) and engine.host.get(entry.slot) != key:
             problems.append(f"readable tier entry {key!r} (slot {entry.slot}) holds {engine.host.get(entry.slot)!r}")
     for key in store_keys:
         if key not in tier._entries:
             problems.append(f"store job tracks {key!r}, which the tier no longer has")
-    for key in tier.evictable_keys():
+    for key in tier._evictable:
         entry = tier._entries.get(key)
         if entry is None or not entry.ready or entry.pins:
             problems.append(f"evictable list holds {key!r} ({entry})")
