@@ -239,9 +239,8 @@ class OffloadScheduler:
         if older is None:
             return False
         free = self._pool.get_num_free_blocks()
-        # The older load is admitted once max(total, now + holders) + watermark fits; whatever this request takes
-        # through its prompt must leave that much.
-        room = free - self._watermark - max(older.total, older.now + self._holders_remaining(free))
+        # Whatever this request takes through its prompt must leave what the older load's admission requires.
+        room = free - ledger.required_free(older.now, older.total, self._holders_remaining(free), self._watermark)
         if room > 0 and need is None:
             need = self.plan_load(request, hit, self._local_blocks(request, local)).total
         if need is not None and need <= room:
@@ -353,8 +352,7 @@ class OffloadScheduler:
                 gpu.append(ids[i])
                 keylist.append(key)
                 load_ends.append((i + 1) * g.block_size)
-        order = sorted(range(len(keylist)), key=lambda j: load_ends[j])  # prefix order across groups (see stores)
-        groups_, gpu, keylist = [groups_[j] for j in order], [gpu[j] for j in order], [keylist[j] for j in order]
+        groups_, gpu, keylist = _in_prefix_order(load_ends, groups_, gpu, keylist)
         slots = self.tier.pin(keylist)
         self.tier.touch(keylist)
         job = TransferJob(self._new_job_id(), rid, tuple(groups_), tuple(gpu), tuple(slots))
@@ -441,11 +439,7 @@ class OffloadScheduler:
 
         if not keylist:
             return
-        # In prefix order across groups, so that the tier ages a prefix from its tail whatever the group: a window
-        # is evicted together with the full-attention blocks around its point, not before them (which left those
-        # full-attention blocks useless past the last window still stored).
-        order = sorted(range(len(keylist)), key=positions.__getitem__)
-        groups_, gpu, keylist = ([groups_[i] for i in order], [gpu[i] for i in order], [keylist[i] for i in order])
+        groups_, gpu, keylist = _in_prefix_order(positions, groups_, gpu, keylist)
         reserved = dict(self.tier.begin_store(keylist))
         if not reserved:
             return
@@ -604,6 +598,16 @@ class OffloadScheduler:
         return bool(self._loads or self._store_jobs or self._pending_loads or self._pending_stores
                     or self._awaiting_free or self._orphan_loads)
 
+
+
+def _in_prefix_order(positions: list[int], *columns: list[Any]) -> list[list[Any]]:
+    """Reorders parallel per-block lists by the token position just past each block, across groups.
+
+    The tier ages a prefix from its tail in the order it is handed blocks, so in this order a window is evicted
+    together with the full-attention blocks around its point, not before them (which left those full-attention
+    blocks useless past the last window still stored)."""
+    order = sorted(range(len(positions)), key=positions.__getitem__)
+    return [[col[i] for i in order] for col in columns]
 
 
 def _gcd_block(groups: list[GroupInfo]) -> int:

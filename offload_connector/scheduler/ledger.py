@@ -140,9 +140,14 @@ def decide(plan: LoadPlan, free_blocks: int, watermark_blocks: int, reserved_by_
     prefills finish."""
     if plan.total + watermark_blocks > usable_blocks:
         return Verdict.TOO_BIG
-    if max(plan.total, sum(plan.now) + reserved_by_others) + watermark_blocks <= free_blocks:
+    if required_free(sum(plan.now), plan.total, reserved_by_others, watermark_blocks) <= free_blocks:
         return Verdict.ADMIT
     return Verdict.DEFER
+
+
+def required_free(now: int, total: int, reserved_by_others: int, watermark_blocks: int) -> int:
+    """Free blocks a load taking `now` blocks (`total` through its prompt) needs to be admitted (see `decide`)."""
+    return max(total, now + reserved_by_others) + watermark_blocks
 
 
 def summarize(rows: Iterable[LedgerRow], groups: Sequence[GroupInfo]) -> tuple[GroupRow, ...]:
