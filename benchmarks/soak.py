@@ -4,7 +4,8 @@
     HF_HUB_OFFLINE=1 VLLM_TARGET_DEVICE=cpu PYTHONPATH=. .venv-vllm033/bin/python benchmarks/soak.py \
         --sim-seconds 3600 --seed 0 --json results/soak.json
 
-Exit status 0 only if every run drained with no invariant violation, leak or stall.
+Exit status 0 only if every run drained with no invariant violation, leak or stall; 2 (one line on stderr) for a bad
+argument, before anything runs.
 """
 
 from __future__ import annotations
@@ -33,16 +34,36 @@ def _one(model: str, sim_seconds: float, seed: int) -> dict:
     return run_soak(cfg).to_json()
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--sim-seconds", type=float, default=3600.0)
-    ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--models", default=",".join(MODELS))
-    ap.add_argument("--jobs", type=int, default=1)
-    ap.add_argument("--json")
-    args = ap.parse_args()
+MAX_JOBS = 16
+
+
+def main(argv: list[str] | None = None) -> int:
+    from offload_connector.replay.command import (MAX_SEED, ArgError, OneLineParser, check_output_path, fail,
+                                                  float_in, int_in)
+    from offload_connector.soak.command import MAX_SIM_SECONDS
+
+    prog = "soak.py"
+    ap = OneLineParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--sim-seconds", type=float_in(1.0, MAX_SIM_SECONDS), default=3600.0,
+                    help=f"1 to {MAX_SIM_SECONDS:,.0f}")
+    ap.add_argument("--seed", type=int_in(0, MAX_SEED), default=0)
+    ap.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, from {', '.join(MODELS)}")
+    ap.add_argument("--jobs", type=int_in(1, MAX_JOBS), default=1, help=f"processes, 1 to {MAX_JOBS}")
+    ap.add_argument("--json", help="write the results here (the directory must exist)")
+    args = ap.parse_args(argv)
     models = [m.strip() for m in args.models.split(",") if m.strip()]
-    with ProcessPoolExecutor(max_workers=max(1, args.jobs)) as pool:
+    try:
+        bad = [m for m in models if m not in MODELS]
+        if not models:
+            raise ArgError(f"--models: none given; choose from {', '.join(MODELS)}")
+        if bad:
+            raise ArgError(f"--models: {bad} not known; choose from {', '.join(MODELS)}")
+        if len(set(models)) != len(models):
+            raise ArgError(f"--models: {sorted({m for m in models if models.count(m) > 1})} given more than once")
+        check_output_path("--json", args.json)  # before an hour of simulation, not after
+    except ArgError as err:
+        return fail(prog, err)
+    with ProcessPoolExecutor(max_workers=min(args.jobs, len(models))) as pool:
         outs = list(pool.map(_one, models, [args.sim_seconds] * len(models), [args.seed] * len(models)))
     from offload_connector.soak.runner import SoakResult, render_summary
 
@@ -53,8 +74,12 @@ def main() -> int:
         for p in r.problems:
             print(f"  ! {r.model}: {p}")
     if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(outs, fh, indent=2, default=str)
+        try:
+            with open(args.json, "w") as fh:
+                json.dump(outs, fh, indent=2, default=str)
+        except OSError as err:  # checked before the run; the disk filled up or the directory went away since
+            print(f"{prog}: error: cannot write the results ({err})", file=sys.stderr)
+            return 1
     return 0 if all(o["ok"] for o in outs) else 1
 
 

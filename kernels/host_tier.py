@@ -7,13 +7,14 @@ tier then stays pageable with one warning, and `HostTier.pinned` says which it g
 """
 from __future__ import annotations
 
-import logging
 import mmap
 from dataclasses import dataclass, field
 
 import torch
 
-logger = logging.getLogger("offload_connector.kernels")
+from offload_connector.log import get_logger
+
+logger = get_logger("offload_connector.kernels")
 
 REGISTER_CHUNK_BYTES = 64 << 30
 # Portable (every context) | Mapped (device-addressable). UVA implies both for most allocations, but the kernel

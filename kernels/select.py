@@ -8,7 +8,6 @@ within 5 % because it leaves the SMs to the forward pass.
 """
 from __future__ import annotations
 
-import logging
 import os
 import time
 from dataclasses import dataclass
@@ -17,10 +16,11 @@ from typing import Callable, Sequence
 import numpy as np
 import torch
 
+from offload_connector.log import get_logger
 from .api import DIRECTIONS, BlockCopier, Completion
 from .reference import ReferenceCopier
 
-logger = logging.getLogger("offload_connector.kernels")
+logger = get_logger("offload_connector.kernels")
 
 BACKENDS: tuple[str, ...] = ("auto", "reference", "kernel", "batch", "per_page", "host")
 CUDA_BACKENDS: tuple[str, ...] = ("kernel", "batch", "per_page")

@@ -4,6 +4,9 @@
     offload-connector replay [--model M] [--trace T] [--connectors C,...] [--json PATH] [--plot PATH] ...
     offload-connector soak [--model gemma-4-31b|deepseek-v4-flash] [--sim-seconds 3600] [--seed 0] [--json PATH] ...
 
+Every argument is checked before anything runs: a bad one ends the command with exit status 2 and one line on stderr
+(`offload-connector SUBCOMMAND: error: ...`), never a traceback (see replay/command.py for the ranges).
+
 `stall-demo` runs the seed stall scenario through vLLM's real scheduler on CPU, once with vLLM's own reservation and
 once with the connector's exact ledger, and prints what happened side by side. `replay` replays a workload (built-in
 or any Mooncake-format trace) through vLLM's real scheduler for several connectors side by side, in simulated time
@@ -20,6 +23,12 @@ from typing import Any
 
 
 def _stall_demo(args: argparse.Namespace) -> int:
+    from offload_connector.replay.command import ArgError, check_output_path, fail
+
+    try:
+        check_output_path("--json", args.json)  # before the scenarios run, not after
+    except ArgError as err:
+        return fail("offload-connector stall-demo", err)
     import offload_connector.sim  # noqa: F401  (platform environment before vLLM loads)
     from offload_connector.sim.scenarios import DEEPSEEK_V4_SEED, GEMMA4_SEED, run_stall_scenario
 
@@ -57,18 +66,33 @@ def _stall_demo(args: argparse.Namespace) -> int:
           "flight.\nreservation=vllm trusts vLLM's own _request_remaining_blocks (comparison only); exact is the "
           "default.")
     if args.json:
-        with open(args.json, "w") as fh:
-            json.dump({"vllm": vllm.__version__, "rows": rows}, fh, indent=2)
+        try:
+            with open(args.json, "w") as fh:
+                json.dump({"vllm": vllm.__version__, "rows": rows}, fh, indent=2)
+        except OSError as err:  # checked before the run; the disk filled up or the directory went away since
+            print(f"offload-connector stall-demo: error: cannot write the results ({err})", file=sys.stderr)
+            return 1
     ok = all((r["reservation"] == "exact") <= (not r["stalled"] and r["pool_drained"]) for r in rows)
     return 0 if ok else 1
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = argparse.ArgumentParser(prog="offload-connector", description="offload_connector tools")
+    try:
+        return _main(argv)
+    except KeyboardInterrupt:
+        print("offload-connector: interrupted", file=sys.stderr)
+        return 130
+
+
+def _main(argv: list[str] | None) -> int:
+    from offload_connector.replay.command import OneLineParser
+
+    # Subcommand parsers inherit the class: every argument error is one line, exit status 2.
+    ap = OneLineParser(prog="offload-connector", description="offload_connector tools")
     sub = ap.add_subparsers(dest="cmd", required=True)
     demo = sub.add_parser("stall-demo", help="the seed admission stall: vLLM's reservation vs the exact ledger")
     demo.add_argument("--model", choices=["gemma-4-31b", "deepseek-v4-flash", "all"], default="all")
-    demo.add_argument("--json", help="write the results here")
+    demo.add_argument("--json", help="write the results here (the directory must exist)")
     from offload_connector.replay.command import add_parser as add_replay_parser
 
     add_replay_parser(sub)

@@ -2,12 +2,19 @@
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import math
+import os
+import re
+from collections.abc import Iterator
 from dataclasses import dataclass, fields
+from fractions import Fraction
 from typing import Any, Mapping
 
 RESERVATION_MODES = ("exact", "vllm")
 ADMISSION_POLICIES = ("fair", "greedy")
-EVICTION_POLICIES = ("lru",)
+EVICTION_POLICIES = ("lru", "slru", "arc")  # or "module.path:ClassName" (scheduler/eviction.py)
 DEFERRAL_FALLBACKS = ("recompute",)
 # Worker copy backends (offload_connector.kernels): "auto" calibrates on CUDA and uses the torch reference on CPU.
 TRANSFER_BACKENDS = ("auto", "reference", "kernel", "batch", "per_page", "host")
@@ -36,7 +43,12 @@ class OffloadConfig:
     # full block of every prompt, every boundary after it, prefixes found shared with an earlier request, and every
     # this-many tokens inside a prompt (rounded down to a multiple of every group's block size; 0: no checkpoints).
     window_checkpoint_tokens: int = 8192
-    eviction: str = "lru"
+    # Which idle CPU-tier entry a store evicts (scheduler/eviction.py): "lru"; "slru" (segmented LRU: entries that
+    # served a load go after every entry that never did, at most 30 % of the slots kept that way); "arc" (Adaptive
+    # Replacement Cache: recency list, list of reused entries, ghost lists moving the target between them); or a
+    # policy class named "module.path:ClassName", imported and checked at start-up. "slru" by default: against the
+    # patched vLLM it is the only one at or under it in TTFT and recompute on every built-in workload (README).
+    eviction: str = "slru"
     # A load that keeps being deferred for this many scheduler steps is given up and the prefix recomputed. Under
     # "fair" admission a deferred load waits only for requests already running or admitted, so this is a last resort;
     # under "greedy" it is what stops a stream of newer requests from starving it.
@@ -60,6 +72,13 @@ class OffloadConfig:
     # Test aid: report each landed load this many steps late, so that a CPU engine (whose copies finish within the
     # step) has loads in flight across steps, as a GPU engine does.
     debug_load_delay_steps: int = 0
+    # Check every load against checksums taken when its blocks were stored (per host slot, over every page of the
+    # block, computed where the KV cache lives: on CUDA only the 8-byte sums cross to the host). A mismatch fails the
+    # load like a late one (failed_recving; kv_load_failure_policy decides), counted in load_verify_failures_total.
+    verify_loads: bool = False
+    # Test aid: the copy of every load is issued this many seconds after the load is submitted (it has not landed
+    # until then), so a CPU engine can exercise load_timeout_s against a load that genuinely has not landed.
+    debug_copy_delay_s: float = 0.0
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> "OffloadConfig":
@@ -73,7 +92,7 @@ class OffloadConfig:
             raise ConfigError("kv_connector_extra_config: 'cpu_bytes' is required (a positive integer: host bytes "
                               "for the CPU tier per worker, e.g. 64000000000 or \"64g\")")
         values = {
-            "cpu_bytes": _positive_int("cpu_bytes", extra.pop("cpu_bytes"), allow_suffix=True),
+            "cpu_bytes": parse_byte_size("cpu_bytes", extra.pop("cpu_bytes")),
         }
         if "reservation" in extra:
             values["reservation"] = _choice("reservation", extra.pop("reservation"), RESERVATION_MODES)
@@ -89,7 +108,11 @@ class OffloadConfig:
             values["window_checkpoint_tokens"] = 0 if value == 0 and not isinstance(value, bool) else \
                 _positive_int("window_checkpoint_tokens", value)
         if "eviction" in extra:
-            values["eviction"] = _choice("eviction", extra.pop("eviction"), EVICTION_POLICIES)
+            from offload_connector.scheduler.eviction import check_policy_spec  # imports a policy named by path
+            try:
+                values["eviction"] = check_policy_spec(extra.pop("eviction"))
+            except ValueError as exc:
+                raise ConfigError(f"kv_connector_extra_config: 'eviction' {exc}") from None
         if "deferral_fallback" in extra:
             values["deferral_fallback"] = _choice("deferral_fallback", extra.pop("deferral_fallback"),
                                                   DEFERRAL_FALLBACKS)
@@ -111,13 +134,79 @@ class OffloadConfig:
             values["debug_fail_load"] = _bool("debug_fail_load", extra.pop("debug_fail_load"))
         if "debug_corrupt_load" in extra:
             values["debug_corrupt_load"] = _bool("debug_corrupt_load", extra.pop("debug_corrupt_load"))
+        if "verify_loads" in extra:
+            values["verify_loads"] = _bool("verify_loads", extra.pop("verify_loads"))
+        if "debug_copy_delay_s" in extra:
+            values["debug_copy_delay_s"] = _non_negative_float("debug_copy_delay_s", extra.pop("debug_copy_delay_s"))
         return cls(**values)
 
 
-_SUFFIXES = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12, "ki": 2**10, "mi": 2**20, "gi": 2**30, "ti": 2**40}
+# Byte sizes mean what they mean in vLLM's own parser (vllm/utils/argparse_utils.py `human_readable_int`, used for
+# `--kv-cache-memory-bytes`, `--max-num-batched-tokens`, `--max-model-len` and, in vLLM 0.33, for bare numbers inside
+# JSON arguments such as `--kv-transfer-config`): a lower-case suffix is decimal, an upper-case one binary, so
+# "64g" = 64 * 10**9 and "64G" = 64 * 2**30; decimals only with a decimal suffix ("1.5g"; vLLM refuses "1.5G").
+# Added here, unambiguous and binary as in IEC: "Ki".."Ti" and "KiB".."TiB". Unlike vLLM, which truncates
+# `float("4.35") * 1000` to 4349, a decimal must come out a whole number of bytes, computed exactly.
+_DECIMAL_SUFFIXES = {"k": 10**3, "m": 10**6, "g": 10**9, "t": 10**12}
+_BINARY_SUFFIXES = {"K": 2**10, "M": 2**20, "G": 2**30, "T": 2**40}
+_SIZE_RE = re.compile(r"(?P<int>[0-9]+)(?:\.(?P<frac>[0-9]+))?(?:(?P<dec>[kmgt])|(?P<bin>[KMGT])(?P<iec>i|iB)?)?")
+# The largest size an mmap length / off_t can carry; anything above is a typo, whatever the host.
+MAX_BYTES = 2**63 - 1
+_SIZE_HINT = ('a positive whole number of bytes: an integer, or a string such as "64g" (64*10^9) or "64G" / "64GiB" '
+              '(64*2^30)')
+
+
+def parse_byte_size(key: str, value: Any) -> int:
+    """A byte count from an integer, a whole float or a size string; one ConfigError naming `key` otherwise."""
+    def bad(why: str) -> ConfigError:
+        shown = repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
+        return ConfigError(f"kv_connector_extra_config: '{key}' must be {_SIZE_HINT}; got {shown} ({why})")
+
+    if isinstance(value, bool):
+        raise bad("a boolean")
+    if isinstance(value, int):
+        parsed = value
+    elif isinstance(value, float):
+        if not math.isfinite(value):
+            raise bad("not a finite number")
+        if not value.is_integer():
+            raise bad("not a whole number of bytes")
+        parsed = int(value)
+    elif isinstance(value, str):
+        text = value.strip()
+        if not text.isascii():
+            raise bad("only ASCII digits and the suffixes k m g t K M G T Ki Mi Gi Ti (optionally iB) are accepted")
+        m = _SIZE_RE.fullmatch(text)
+        if m is None:
+            if re.fullmatch(r"[0-9.]+ *[kKmMgGtT][bB]", text):  # "64GB": 10^9 or 2^30? vLLM has no such suffix
+                num, unit = text[:-2].strip(), text[-2]
+                raise bad(f'ambiguous suffix: write "{num}{unit.lower()}" (decimal) or "{num}{unit.upper()}iB" '
+                          f'(binary)')
+            raise bad("not a byte size")
+        if len(m["int"].lstrip("0")) > 19:  # past 2^63 whatever the suffix (and clear of int()'s 4300-digit cap)
+            raise bad("more than 2^63-1 bytes")
+        number = Fraction(f"{m['int']}.{m['frac'] or 0}")
+        if m["bin"] and m["frac"] is not None:
+            raise bad(f"no decimals with a binary suffix, as in vLLM; did you mean "
+                      f"\"{m['int']}.{m['frac']}{m['bin'].lower()}\"?")
+        if m["frac"] is not None and not m["dec"]:
+            raise bad("decimals only with a decimal suffix k m g t, as in vLLM")
+        scaled = number * (_DECIMAL_SUFFIXES[m["dec"]] if m["dec"] else _BINARY_SUFFIXES[m["bin"]] if m["bin"] else 1)
+        if scaled.denominator != 1:
+            raise bad("not a whole number of bytes")
+        parsed = int(scaled)
+    else:
+        raise bad("null" if value is None else f"a {type(value).__name__}")
+    if parsed <= 0:
+        raise bad("must be positive")
+    if parsed > MAX_BYTES:
+        raise bad("more than 2^63-1 bytes")
+    return parsed
 
 
 def _positive_int(key: str, value: Any, allow_suffix: bool = False) -> int:
+    if allow_suffix:
+        return parse_byte_size(key, value)
     parsed: int | None = None
     if isinstance(value, bool):
         parsed = None
@@ -125,21 +214,100 @@ def _positive_int(key: str, value: Any, allow_suffix: bool = False) -> int:
         parsed = value
     elif isinstance(value, float) and value.is_integer():
         parsed = int(value)
-    elif isinstance(value, str) and allow_suffix:
-        text = value.strip().lower().removesuffix("b")
-        for suffix in sorted(_SUFFIXES, key=len, reverse=True):
-            if text.endswith(suffix):
-                try:
-                    parsed = int(float(text[: -len(suffix)]) * _SUFFIXES[suffix])
-                except ValueError:
-                    parsed = None
-                break
-        else:
-            parsed = int(text) if text.isdigit() else None
     if parsed is None or parsed <= 0:
-        hint = ' (an integer, or a string such as "64g" or "512Mi")' if allow_suffix else " (an integer)"
-        raise ConfigError(f"kv_connector_extra_config: '{key}' must be a positive integer{hint}; got {value!r}")
+        raise ConfigError(f"kv_connector_extra_config: '{key}' must be a positive integer (an integer); got {value!r}")
     return parsed
+
+
+# ------------------------------------------------------------------------------------------- host memory
+def host_available_bytes(meminfo: str = "/proc/meminfo", cgroup_root: str = "/sys/fs/cgroup"
+                         ) -> tuple[int, str] | None:
+    """Bytes this process can still take from the host, and where the figure comes from; None where unknown.
+
+    MemAvailable (/proc/meminfo: free memory plus what the kernel can reclaim without swapping), lowered to the
+    memory cgroup's headroom when a limit is set (cgroup v2 memory.max, v1 memory.limit_in_bytes: limit - usage +
+    inactive file cache), since in a container /proc/meminfo shows the whole host.
+    """
+    found: list[tuple[int, str]] = []
+    try:
+        with open(meminfo) as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    found.append((int(line.split()[1]) * 1024, "MemAvailable in /proc/meminfo"))
+                    break
+    except (OSError, ValueError, IndexError):
+        pass
+    for limit_f, usage_f, stat_key, sub in (("memory.max", "memory.current", "inactive_file", ""),
+                                            ("memory.limit_in_bytes", "memory.usage_in_bytes",
+                                             "total_inactive_file", "memory")):
+        base = os.path.join(cgroup_root, sub)
+        try:
+            with open(os.path.join(base, limit_f)) as f:
+                raw = f.read().strip()
+            if raw == "max" or int(raw) >= 2**62:
+                continue
+            with open(os.path.join(base, usage_f)) as f:
+                usage = int(f.read().strip())
+            reclaimable = 0
+            try:
+                with open(os.path.join(base, "memory.stat")) as f:
+                    for line in f:
+                        name, _, val = line.partition(" ")
+                        if name == stat_key:
+                            reclaimable = int(val)
+                            break
+            except (OSError, ValueError):
+                pass
+            found.append((max(0, int(raw) - usage + reclaimable), f"the memory cgroup's headroom ({base}/{limit_f})"))
+        except (OSError, ValueError):
+            continue
+    return min(found) if found else None
+
+
+def local_worker_count(vllm_config: Any) -> int:
+    """Workers of this engine that run on this host and each allocate `cpu_bytes`.
+
+    vLLM starts one worker per rank of pipeline x tensor (x prefill-context) parallelism; `local_world_size` is the
+    share on this node (the whole world on one host). Data-parallel engines started together on one host
+    (`data_parallel_size_local`) each have as many; with the external launcher the world already counts them.
+    """
+    pc = getattr(vllm_config, "parallel_config", None)
+    if pc is None:
+        return 1
+    try:
+        n = int(getattr(pc, "local_world_size", None) or pc.world_size)
+    except Exception:  # noqa: BLE001 - an inconsistent parallel config is vLLM's to report, not ours
+        n = int(getattr(pc, "world_size", 1) or 1)
+    if getattr(pc, "distributed_executor_backend", None) != "external_launcher":
+        n *= max(1, int(getattr(pc, "data_parallel_size_local", 1) or 1))
+    return max(1, n)
+
+
+def check_host_memory(cpu_bytes: int, workers: int = 1, extra_host_bytes: int = 0, extra_what: str = "",
+                      available: tuple[int, str] | None = None) -> None:
+    """One ConfigError naming 'cpu_bytes' when `workers` host tiers (plus `extra_host_bytes`) cannot fit the host.
+
+    Called before anything is allocated. Pinning (cudaHostRegister on CUDA) is not bounded by RLIMIT_MEMLOCK, which
+    applies to mlock(), not to the NVIDIA driver's page locking, so RLIMIT_MEMLOCK is not checked; a registration
+    the driver refuses falls back to pageable memory with a warning (kernels/host_tier.py).
+    """
+    if available is None:
+        available = host_available_bytes()
+    if available is None:
+        return
+    have, source = available
+    need = cpu_bytes * workers + extra_host_bytes
+    if need <= have:
+        return
+    asked = f"{cpu_bytes:,} bytes ({cpu_bytes / 2**30:.1f} GiB)"
+    if workers != 1:
+        asked += f" per worker x {workers} workers on this host"
+    if extra_host_bytes:
+        asked += f" + {extra_host_bytes:,} bytes {extra_what}".rstrip()
+    if workers != 1 or extra_host_bytes:
+        asked += f" = {need:,} bytes"
+    raise ConfigError(f"kv_connector_extra_config: 'cpu_bytes' asks for {asked}, but only {have:,} bytes "
+                      f"({have / 2**30:.1f} GiB) are available ({source}); lower 'cpu_bytes'")
 
 
 def _non_negative_float(key: str, value: Any) -> float:
@@ -160,3 +328,38 @@ def _choice(key: str, value: Any, accepted: tuple[str, ...]) -> str:
         raise ConfigError(
             f"kv_connector_extra_config: '{key}' must be one of {list(accepted)}; got {value!r}")
     return value
+
+
+# ------------------------------------------------------------------------------------------- start-up
+def check_at_startup(vllm_config: Any) -> OffloadConfig:
+    """The whole start-up check on a VllmConfig: the keys, then the host memory every local host tier needs.
+
+    On vLLM's CPU backend the KV cache is host memory too and is not allocated yet when this runs: its size
+    (`--kv-cache-memory-bytes`, which VLLM_CPU_KVCACHE_SPACE sets) is counted per worker as well.
+    """
+    cfg = OffloadConfig.from_extra_config(vllm_config.kv_transfer_config.kv_connector_extra_config)
+    if not _HOST_CHECK.get():
+        return cfg
+    workers = local_worker_count(vllm_config)
+    kv_bytes = 0
+    device = getattr(getattr(vllm_config, "device_config", None), "device_type", None)
+    if device == "cpu":
+        kv_bytes = int(getattr(getattr(vllm_config, "cache_config", None), "kv_cache_memory_bytes", None) or 0)
+    check_host_memory(cfg.cpu_bytes, workers, kv_bytes * workers,
+                      "of KV cache (vLLM's CPU backend keeps it in host memory)")
+    return cfg
+
+
+# A simulation plans vLLM's KV cache through the same start-up path (the layout question above) for tiers it never
+# allocates (a 40 GiB tier replayed on a 24 GB machine): only the host check is skipped, the keys are still checked.
+_HOST_CHECK: contextvars.ContextVar[bool] = contextvars.ContextVar("offload_connector_host_check", default=True)
+
+
+@contextlib.contextmanager
+def simulated_host() -> Iterator[None]:
+    """Within this block `check_at_startup` checks the keys only: the host tier is simulated, never allocated."""
+    token = _HOST_CHECK.set(False)
+    try:
+        yield
+    finally:
+        _HOST_CHECK.reset(token)

@@ -9,6 +9,10 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING, Any
 
+from offload_connector.compat import check_installed_vllm
+
+check_installed_vllm()
+
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorBase_V1,
     KVConnectorMetadata,
@@ -18,7 +22,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 )
 
 from offload_connector import metrics
-from offload_connector.config import OffloadConfig
+from offload_connector.config import OffloadConfig, check_at_startup
 from offload_connector.metadata import OffloadMetadata
 
 try:  # vLLM >= 0.32 labels external hits by source; HOST feeds the per-tier hit metrics.
@@ -55,6 +59,24 @@ class OffloadConnector(KVConnectorBase_V1, SupportsHMA):
     @property
     def requires_kv_delivery(self) -> bool:
         return False
+
+    # ------------------------------------------------------- start-up checks: the earliest calls vLLM makes to us
+    @classmethod
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+        # VllmConfig.__post_init__ asks this whenever CUDA graphs include full graphs (the CUDA default; not with
+        # --enforce-eager, never on the CPU backend): in the API server, before any engine process starts. A bad
+        # `kv_connector_extra_config` stops start-up here with one ConfigError. Host memory is checked later
+        # (get_required_kvcache_layout), in the engine only: a VllmConfig built for a simulation must not need it.
+        OffloadConfig.from_extra_config(extra_config)
+        return False  # loads and stores are whole-block copies between steps, nothing runs inside a graph
+
+    @classmethod
+    def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:
+        # EngineCore._initialize_kv_caches -> resolve_kv_cache_layout asks this on every platform, once, after the
+        # workers load the model and before memory profiling, the KV cache, the connectors and the host tier are
+        # made: the first call with the whole config. Checks the keys and that every local worker's host tier fits.
+        check_at_startup(vllm_config)
+        return None
 
     # ----------------------------------------------------------- scheduler role
     def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
@@ -93,6 +115,21 @@ class OffloadConnector(KVConnectorBase_V1, SupportsHMA):
     def has_pending_push_work(self) -> bool:
         # Keeps the engine stepping while stores are in flight, so their completions are collected.
         return self.scheduler_side is not None and self.scheduler_side.has_pending_work()
+
+    def reset_cache(self) -> bool | None:
+        # vLLM's hook for `POST /reset_prefix_cache?reset_external=true` and the cache resets of pause, sleep and
+        # weight updates; called on the scheduler-side connector only, between steps. Empties the CPU tier (copies
+        # in flight keep their slots until they finish: see OffloadScheduler.reset_cache).
+        if self.scheduler_side is None:
+            return None
+        return self.scheduler_side.reset_cache()
+
+    def take_events(self):
+        # KV cache events for the CPU tier (BlockStored / BlockRemoved, medium "CPU"); vLLM publishes them with the
+        # GPU prefix cache's events after every step when --kv-events-config enables them.
+        if self.scheduler_side is None:
+            return ()
+        return self.scheduler_side.take_events()
 
     def ledger_snapshot(self):
         """Read-only view of the reservation ledger (per group: free, reserved, held; per-request rows)."""

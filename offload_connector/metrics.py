@@ -27,6 +27,8 @@ labels):
 | `vllm:offload_connector_store_time_seconds` | histogram | | worker | duration of one store job on one worker |
 | `vllm:offload_connector_load_failures_total` | counter | | worker | load jobs that failed on a worker (request recomputed) |
 | `vllm:offload_connector_store_failures_total` | counter | | worker | store jobs that failed on a worker (blocks not cached) |
+| `vllm:offload_connector_load_verify_failures_total` | counter | | worker | load jobs whose landed blocks did not match the checksums stored with them (`verify_loads`); each is also a load failure |
+| `vllm:offload_connector_loaded_tokens_total` | counter | | scheduler | prompt tokens whose load landed (and verified): the external hits a request really got from the CPU tier. vLLM's `vllm:external_prefix_cache_hits_total` counts granted tokens at admission, failed loads included |
 | `vllm:offload_connector_deferrals_total` | counter | `reason` | scheduler | load decisions other than "admit the full hit now" |
 | `vllm:offload_connector_deferred_requests` | gauge | | scheduler | requests whose load is deferred right now |
 | `vllm:offload_connector_cpu_tier_used_blocks` | gauge | | scheduler | CPU-tier slots in use |
@@ -76,6 +78,8 @@ STORED_BYTES, STORED_BLOCKS, STORE_FAILURES = "stored_bytes", "stored_blocks", "
 EVICTIONS = "cpu_tier_evictions"
 STALLS = "stalls_detected"
 STORE_REJECTIONS = "cpu_tier_store_rejections"
+LOAD_VERIFY_FAILURES = "load_verify_failures"
+LOADED_TOKENS = "loaded_tokens"
 DEFERRAL_PREFIX = "deferrals:"
 # Histogram sample keys.
 LOAD_SECONDS, STORE_SECONDS = "load_seconds", "store_seconds"
@@ -139,6 +143,12 @@ class OffloadStats(KVConnectorStats):
     def record_stall(self) -> None:
         self._add(STALLS, 1)
 
+    def record_load_verify_failure(self) -> None:
+        self._add(LOAD_VERIFY_FAILURES, 1)
+
+    def record_loaded_tokens(self, tokens: int) -> None:
+        self._add(LOADED_TOKENS, tokens)
+
     def set_gauge(self, key: str, value: float) -> None:
         if key not in (TIER_USED, TIER_CAPACITY, DEFERRED_REQUESTS, STALLED):
             raise ValueError(f"unknown gauge {key!r}")
@@ -184,7 +194,8 @@ class OffloadStats(KVConnectorStats):
                 # Bytes of all workers over the time of all workers: mean bandwidth of one worker's copies.
                 out[f"{direction}_GBps"] = _sig(counters.get(nbytes_key, 0) / total / 1e9) if total > 0 else 0.0
         for key, value in counters.items():
-            if key.startswith(DEFERRAL_PREFIX) or key in (EVICTIONS, STALLS, STORE_REJECTIONS):
+            if key.startswith(DEFERRAL_PREFIX) or key in (EVICTIONS, STALLS, STORE_REJECTIONS, LOAD_VERIFY_FAILURES,
+                                                          LOADED_TOKENS):
                 out[key.replace(":", "_")] = value
         out.update(gauges)
         if gauges.get(TIER_CAPACITY):
@@ -238,6 +249,16 @@ class OffloadStatsSink:
             self._stats.record_evictions(delta)
             self._gauges[TIER_USED] = used_slots
             self._gauges[TIER_CAPACITY] = total_slots
+
+    def record_load_verify_failure(self) -> None:
+        """Worker side: a load job whose blocks did not match their stored checksums (also a load failure)."""
+        with self._lock:
+            self._stats.record_load_verify_failure()
+
+    def record_loaded_tokens(self, tokens: int) -> None:
+        """Scheduler side: a request's load landed (and verified); `tokens` it no longer computes."""
+        with self._lock:
+            self._stats.record_loaded_tokens(tokens)
 
     def record_stall_state(self, stalled: bool, newly_detected: bool) -> None:
         """Scheduler side, every step: the watchdog's verdict (a counter per detected stall, a 0/1 gauge)."""

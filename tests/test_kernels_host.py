@@ -151,7 +151,7 @@ def test_without_a_compiler_auto_falls_back_and_host_is_a_clear_error(tmp_path, 
     monkeypatch.setenv("CC", "no-such-cc-offload")
     dev = [torch.zeros((2, 64), dtype=torch.uint8)]
     host = [torch.zeros((2, 64), dtype=torch.uint8)]
-    with caplog.at_level("WARNING", logger="offload_connector.kernels"):
+    with caplog.at_level("WARNING", logger="vllm.offload_connector.kernels"):
         c = make_copier("auto", dev, host, [[0]], device=torch.device("cpu"))
     assert isinstance(c, ReferenceCopier)
     assert "compiled host copy unavailable" in caplog.text and "no-such-cc-offload" in caplog.text

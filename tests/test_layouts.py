@@ -1,5 +1,8 @@
 """The offline layouts must match what vLLM builds for the real models (numbers measured in
-/work/shared/notes/models-and-traces.md), and the real scheduler must run a request to completion over them."""
+/work/shared/notes/models-and-traces.md), and the real scheduler must run a request to completion over them.
+
+The per-layer specs are derived from vLLM's model code (`layouts._derive`); the built-in models must keep exactly the
+layouts of the hand tables they replaced (tests/layout_tables.py), so published replay results stay valid."""
 
 from __future__ import annotations
 
@@ -24,6 +27,8 @@ from vllm.v1.kv_cache_interface import (
 )
 from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request
+
+from tests.layout_tables import TABLES
 
 GEMMA, DSV4, GPT_OSS = "gemma-4-31b", "deepseek-v4-flash", "gpt-oss-20b"
 GEMMA_BLOCKS, DSV4_BLOCKS, GPT_OSS_BLOCKS = 2188, 8192, 2304
@@ -137,6 +142,64 @@ def test_gpt_oss_layer_types_that_vllm_would_ignore_are_refused(tmp_path: Path):
     vc = L.build_vllm_config(str(tmp_path), max_model_len=4096, max_num_batched_tokens=1024, num_gpu_blocks=1024)
     with pytest.raises(NotImplementedError, match="even layers"):
         L.layer_specs(vc)
+
+
+def _former_backends(name: str) -> tuple[type, ...]:
+    """The CUDA backends the hand-table version resolved the KV cache layout from."""
+    if name == DSV4:
+        from vllm.models.deepseek_v4.compressor import CompressorBackend
+        from vllm.v1.attention.backends.mla.indexer import DeepseekV4IndexerBackend
+        from vllm.v1.attention.backends.mla.sparse_swa import DeepseekSparseSWABackend
+        return (DeepseekSparseSWABackend, CompressorBackend, DeepseekV4IndexerBackend)
+    from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
+    return (FlashAttentionBackend,)
+
+
+def _from_table(name: str, max_model_len: int, num_blocks: int, monkeypatch: pytest.MonkeyPatch):
+    """The layout the hand table gave: the same planner over the table's per-layer specs."""
+    vc = L.build_vllm_config(name, max_model_len=max_model_len, max_num_batched_tokens=1024,
+                             num_gpu_blocks=num_blocks)
+    derived = L._derive(vc)  # the block size and cache dtype loading the model sets (the table assumed them)
+    table = TABLES[name](vc)
+    vc = L.build_vllm_config(name, max_model_len=max_model_len, max_num_batched_tokens=1024,
+                             num_gpu_blocks=num_blocks)
+    vc.cache_config.block_size, vc.cache_config.cache_dtype = derived.block_size, derived.cache_dtype
+    with monkeypatch.context() as m:
+        m.setattr(L, "_derive", lambda _vc: L._Derived(table, _former_backends(name), derived.block_size,
+                                                        derived.cache_dtype))
+        return table, L.build_sim_model(name, vllm_config=vc, num_blocks=num_blocks)
+
+
+@pytest.mark.parametrize("which,name,max_model_len,num_blocks", [
+    ("gemma", GEMMA, 32768, GEMMA_BLOCKS), ("gptoss", GPT_OSS, 32768, GPT_OSS_BLOCKS),
+    ("dsv4", DSV4, 1_048_576, DSV4_BLOCKS)])
+def test_derived_layout_is_exactly_the_former_hand_table(which, name, max_model_len, num_blocks, request,
+                                                         monkeypatch):
+    """Same layers in the same order with equal specs, hence the same groups, block ids, pool and block sizes."""
+    vc, sim = request.getfixturevalue(which)
+    table, former = _from_table(name, max_model_len, num_blocks, monkeypatch)
+    specs = L.layer_specs(vc)
+    assert list(specs.items()) == list(table.items())
+    assert sim.kv_cache_config == former.kv_cache_config
+    assert sim.worker_kv_cache_config == former.worker_kv_cache_config
+    assert (sim.scheduler_block_size, sim.hash_block_size) == (former.scheduler_block_size, former.hash_block_size)
+
+
+def test_deepseek_v4_table_order_is_the_only_difference_from_vllms_own(dsv4, monkeypatch):
+    """vLLM's model code derives DeepSeek V4's specs exactly, in another order (see `_dsv4_in_table_order`): the
+    layouts keep the table's order, which decides the packed full group's scheduler-side spec."""
+    vc, _ = dsv4
+    monkeypatch.setattr(L, "_derived_cache", {})
+    monkeypatch.setattr(L, "_dsv4_in_table_order", lambda _vc, derived: derived)
+    raw = L.layer_specs(vc)
+    table = TABLES[DSV4](vc)
+    assert set(raw) == set(table) and list(raw) != list(table)
+    assert {n: L.without_kernel_block_note(s) for n, s in raw.items()} == table
+    assert list(raw)[2:5] == ["model.layers.2.attn.indexer.k_cache", "model.layers.2.attn.indexer.compressor."
+                              "state_cache", "model.layers.2.attn.swa_cache"]
+    sim = L.build_sim_model(DSV4, vllm_config=vc, num_blocks=DSV4_BLOCKS)
+    full = sim.kv_cache_config.kv_cache_groups[2]
+    assert full.layer_names[0] == "model.layers.2.attn.indexer.k_cache" and full.kv_cache_spec.head_size == 132
 
 
 def test_dsv4_flash_layer_specs(dsv4):

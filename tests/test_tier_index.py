@@ -50,3 +50,49 @@ def test_store_stops_at_first_block_without_room():
     tier = TierIndex(2, [10])
     got = tier.begin_store(keys(3))  # nothing evictable: a prefix with a hole is useless
     assert [k for k, _ in got] == keys(2)
+
+
+def test_clear_frees_idle_entries_and_retires_those_in_use():
+    tier = TierIndex(6, [10])
+    removed = []
+    tier.on_removed = removed.append
+    idle, loading, storing = keys(2, tag="i"), keys(2, tag="l"), keys(1, tag="s")
+    for k in (idle, loading):
+        tier.begin_store(k)
+        tier.finish_store(k)
+    load_slots = tier.pin(loading)
+    tier.pin(loading[:1])  # a second load reads the first block too
+    store_slot = [s for _, s in tier.begin_store(storing)]
+    tier.clear()
+    # Readable entries are announced removed; the one still being written never was announced.
+    assert sorted(removed) == sorted(idle + loading)
+    assert len(tier) == 0 and not any(tier.is_ready(k) for k in idle + loading) and not tier.has(storing[0])
+    assert tier.used_slots() == 3 and tier.stats().retired_slots == 3
+    # The free slots are reused; the retired ones never, even for the same keys stored again.
+    got = tier.begin_store(keys(6, tag="n"))
+    assert len(got) == 3 and not {s for _, s in got} & set(load_slots + store_slot)
+    tier.release_retired(store_slot)  # the store landed after the reset: its slot comes back, nothing published
+    tier.release_retired(load_slots)  # one load finished: the first slot still has a reader
+    assert tier.stats().retired_slots == 1
+    tier.release_retired(load_slots[:1])
+    assert tier.stats().retired_slots == 0 and tier.used_slots() == 3
+    assert len(tier.begin_store(keys(3, tag="m"))) == 3
+    tier.release_retired([0, 1, 2])  # not retired (any more): ignored
+    assert tier.used_slots() == 6
+
+
+def test_on_removed_reports_evictions_and_dropped_readable_entries():
+    tier = TierIndex(2, [10])
+    removed = []
+    tier.on_removed = removed.append
+    a = keys(2)
+    tier.begin_store(a)
+    tier.finish_store(a)
+    tier.begin_store(keys(1, tag="b"))  # evicts the tail of a
+    assert removed == [a[1]]
+    tier.drop([a[0]])
+    assert removed == [a[1], a[0]]
+    failed = keys(1, tag="c")
+    tier.begin_store(failed)
+    tier.finish_store(failed, ok=False)  # never readable: not announced
+    assert removed == [a[1], a[0]]

@@ -221,3 +221,88 @@ def test_debug_fail_load_reports_failure_without_touching_the_cache():
     _, recving, failed = worker.transfer_results()
     assert recving == failed == {"x"}
     assert torch.equal(regions, before)
+
+
+# ------------------------------------------------------------------------------------------ verify_loads
+def test_verify_loads_passes_clean_loads_on_every_layout():
+    for build, cpu_bytes in ((aliased_gemma_like, 64 * 2 * PAGE), (separate_groups, 10 * 3 * 8192)):
+        config, caches, _ = build()
+        worker = make_worker(config, caches, cpu_bytes, verify_loads=True)
+        worker.start(OffloadMetadata(step=1, stores=(job(1, "a", [(0, 2, 0), (0, 3, 1), (1, 4, 2)]),)))
+        worker.transfer_results()
+        assert worker.worker_meta().stores_done == [1]
+        worker.start(OffloadMetadata(step=2, loads=(job(2, "b", [(0, 10, 0), (0, 11, 1), (1, 12, 2)]),)))
+        assert worker.transfer_results()[1:] == ({"b"}, set())
+        counters = worker.take_stats().data["counters"]
+        assert "load_failures" not in counters and "load_verify_failures" not in counters
+
+
+def test_verify_loads_fails_a_corrupted_load_and_counts_it():
+    config, caches, regions = aliased_gemma_like()
+    worker = make_worker(config, caches, 8 * 2 * PAGE, verify_loads=True, debug_corrupt_load=True)
+    worker.start(OffloadMetadata(step=1, stores=(job(1, "a", [(2, 5, 0), (2, 6, 1)]),)))
+    worker.transfer_results()
+    worker.start(OffloadMetadata(step=2, loads=(job(2, "b", [(2, 9, 0), (2, 10, 1)]),)))
+    _, recving, failed = worker.transfer_results()
+    assert recving == failed == {"b"}
+    assert not torch.equal(regions[:, 9], regions[:, 5])  # the corruption did land before the check
+    assert torch.equal(regions[:, 10], regions[:, 6])  # only the first block is corrupted
+    counters = worker.take_stats().data["counters"]
+    assert counters["load_verify_failures"] == 1 and counters["load_failures"] == 1
+    assert "loaded_bytes" not in counters and worker.engine.verify_failures == 1
+
+
+def test_verify_loads_catches_host_tier_damage_and_a_slot_rewritten_meanwhile():
+    config, caches, _ = aliased_gemma_like()
+    worker = make_worker(config, caches, 8 * 2 * PAGE, verify_loads=True)
+    worker.start(OffloadMetadata(step=1, stores=(job(1, "a", [(2, 5, 0), (0, 6, 1)]),)))
+    worker.transfer_results()
+    worker.host_tier.tensor[1, 77] ^= 0x10  # a bit flips in host memory after the store landed
+    worker.start(OffloadMetadata(step=2, loads=(job(2, "b", [(2, 9, 0)]),)))
+    worker.start(OffloadMetadata(step=3, loads=(job(3, "c", [(0, 10, 1)]),)))
+    assert worker.transfer_results()[1:] == ({"b", "c"}, {"c"})
+    # A later store into the slot replaces its checksum once it lands.
+    worker.start(OffloadMetadata(step=4, stores=(job(4, "d", [(0, 7, 1)]),)))
+    worker.start(OffloadMetadata(step=5, loads=(job(5, "e", [(0, 11, 1)]),)))
+    assert worker.transfer_results()[1:] == ({"e"}, set())
+
+
+def test_verify_loads_without_a_stored_checksum_fails_the_load():
+    config, caches, _ = aliased_gemma_like()
+    worker = make_worker(config, caches, 8 * 2 * PAGE, verify_loads=True)
+    worker.start(OffloadMetadata(step=1, loads=(job(1, "x", [(2, 9, 3)]),)))  # slot 3 was never stored
+    assert worker.transfer_results()[1:] == ({"x"}, {"x"})
+
+
+# ------------------------------------------------------------------------------------- debug_copy_delay_s
+def test_delayed_copy_lands_late_and_a_deadline_reports_it_failed():
+    import time
+
+    config, caches, regions = aliased_gemma_like()
+    worker = make_worker(config, caches, 8 * 2 * PAGE, debug_copy_delay_s=1.0)
+    worker.start(OffloadMetadata(step=1, stores=(job(1, "a", [(2, 5, 0)]),)))
+    worker.transfer_results()
+    regions[:, 9] = 0
+    worker.start(OffloadMetadata(step=2, loads=(job(2, "slow", [(2, 9, 0)]),)))
+    assert worker.transfer_results() == (set(), set(), set())
+    assert not regions[:, 9].any()  # nothing copied yet
+    time.sleep(1.05)
+    assert worker.transfer_results()[1:] == ({"slow"}, set())  # landed late, no deadline: fine
+    assert torch.equal(regions[:, 9], regions[:, 5])
+
+    worker = make_worker(config, caches, 8 * 2 * PAGE, debug_copy_delay_s=1.0, load_timeout_s=0.05)
+    worker.start(OffloadMetadata(step=1, stores=(job(1, "a", [(2, 5, 0)]),)))
+    worker.transfer_results()
+    regions[:, 12] = 0
+    worker.start(OffloadMetadata(step=2, loads=(job(2, "late", [(2, 12, 0)]),)))
+    time.sleep(0.1)
+    assert worker.transfer_results()[1:] == ({"late"}, {"late"})
+    assert worker.engine.timeouts == 1 and worker.engine.pending() == 1 and not regions[:, 12].any()
+    # The next forward pass is ordered after the zombie copy: on the CPU backend the fence waits for it.
+    t0 = time.perf_counter()
+    worker.fence(OffloadMetadata(step=3))
+    assert time.perf_counter() - t0 > 0.1
+    assert torch.equal(regions[:, 12], regions[:, 5])
+    worker.transfer_results()
+    assert worker.engine.pending() == 0
+    assert worker.take_stats().data["counters"]["load_failures"] == 1

@@ -212,7 +212,10 @@ class Recorder:
             gpu_pool_util_per_group=per_group, admission_deferrals=self.deferrals)
 
     def series(self) -> dict[str, list[float]]:
-        return self.plot
+        """The pool-use trace, plus every request's time to first token (seconds, arrival order) for the TTFT CDF."""
+        ttft = [r.first_token - r.arrival for r in sorted(self.reqs.values(), key=lambda r: r.arrival)
+                if r.first_token is not None]
+        return {**self.plot, "ttft": ttft}
 
 
 def _mean(v: list[float]) -> float:

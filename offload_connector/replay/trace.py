@@ -3,7 +3,13 @@
 A trace is JSON Lines, one request per line: `timestamp` (ms since the trace start), `input_length`,
 `output_length` and `hash_ids` (one id per 512-token block of the prompt, the last block possibly partial; equal
 ids mean equal content, so a shared prefix is a shared run of leading ids). Other fields are kept as `extra` and
-otherwise ignored, so any Mooncake-format file replays as it is. `.gz` files are read transparently.
+otherwise ignored, so any Mooncake-format file replays as it is. Gzip-compressed files are read transparently
+(recognised by their header, whatever the name).
+
+Whatever the file holds, loading it either returns records or raises one `TraceError` whose message is one line naming
+the file, the line and (for a bad value) the field: binary or non-UTF-8 content, a file named .gz that is not gzip
+(or is truncated or corrupt), other compression formats, JSON nested too deeply, numbers too large to convert, an
+empty file, lines longer than `MAX_LINE_BYTES`, more than `MAX_RECORDS` requests, and out-of-range values.
 
 Prompt tokens are derived from the ids, not invented per request: block id h always expands to the same 512 token
 ids (seeded), so two requests that share leading hash ids share a token prefix and vLLM's own block hasher sees the
@@ -19,8 +25,9 @@ from __future__ import annotations
 
 import gzip
 import json
-import math
 import random
+import reprlib
+import zlib
 from dataclasses import dataclass, field
 from functools import lru_cache
 from pathlib import Path
@@ -30,6 +37,19 @@ MOONCAKE_BLOCK_TOKENS = 512
 _VOCAB = (100, 30000)  # token ids drawn from [100, 30000): clear of special ids, inside every bundled vocabulary
 REQUIRED_FIELDS = ("timestamp", "input_length", "output_length", "hash_ids")
 SAMPLED_TOKEN = 7  # what sim.driver's simulated model samples for every output token
+
+# Limits on what a trace may hold, so that no input can exhaust memory or time before the replay starts. A Mooncake
+# line is a few KB (a 1M-token prompt is 2,048 hash ids, ~20 KB); the published traces hold 4k-24k requests.
+MAX_LINE_BYTES = 4 * 2**20
+MAX_RECORDS = 1_000_000
+MAX_LINES = 10 * MAX_RECORDS  # blank lines included
+MAX_TRACE_BYTES = 4 * 2**30  # decompressed
+MAX_TOKENS = 2**31 - 1  # input_length / output_length
+MAX_HASH_ID = 2**63 - 1
+MAX_TIMESTAMP_MS = float(2**53)  # exactly representable; epoch milliseconds (1.7e12) fit
+MAX_SPAN_MS = 1e11  # first to last arrival, about 3.2 years: simulated time stays precise to well under a step
+_COMPRESSED = ((b"BZh", "bzip2"), (b"\xfd7zXZ\x00", "xz"), (b"(\xb5/\xfd", "zstd"), (b"PK\x03\x04", "zip"),
+               (b"\x04\x22\x4d\x18", "lz4"))
 
 
 class TraceError(ValueError):
@@ -51,8 +71,12 @@ class TraceRecord:
         return dict(self.extra).get(key, default)
 
 
+_SHOW = reprlib.Repr()
+_SHOW.maxlevel, _SHOW.maxlist, _SHOW.maxdict, _SHOW.maxstring, _SHOW.maxother, _SHOW.maxlong = 2, 6, 4, 40, 40, 40
+
+
 def _bad(source: str, line: int, fld: str, msg: str, value: Any) -> TraceError:
-    shown = repr(value)
+    shown = _SHOW.repr(value)  # bounded depth and length: a value can be nested 900 deep or hold 10^6 items
     if len(shown) > 80:
         shown = shown[:77] + "..."
     return TraceError(f"{source} line {line}: field '{fld}' {msg} (got {shown})")
@@ -71,16 +95,16 @@ def parse_record(obj: Any, source: str, line: int, block_tokens: int = MOONCAKE_
         if fld not in obj:
             raise TraceError(f"{source} line {line}: missing field '{fld}' (required: {list(REQUIRED_FIELDS)})")
     ts = obj["timestamp"]
-    if not isinstance(ts, (int, float)) or isinstance(ts, bool) or not math.isfinite(ts) or ts < 0:
-        raise _bad(source, line, "timestamp", "must be a finite number of milliseconds >= 0", ts)
+    if not isinstance(ts, (int, float)) or isinstance(ts, bool) or not 0 <= ts <= MAX_TIMESTAMP_MS:
+        raise _bad(source, line, "timestamp", "must be a finite number of milliseconds in [0, 2^53]", ts)
     n_in, n_out = obj["input_length"], obj["output_length"]
-    if not _is_int(n_in) or n_in < 1:
-        raise _bad(source, line, "input_length", "must be an integer >= 1", n_in)
-    if not _is_int(n_out) or n_out < 1:
-        raise _bad(source, line, "output_length", "must be an integer >= 1", n_out)
+    if not _is_int(n_in) or not 1 <= n_in <= MAX_TOKENS:
+        raise _bad(source, line, "input_length", "must be an integer in [1, 2^31 - 1]", n_in)
+    if not _is_int(n_out) or not 1 <= n_out <= MAX_TOKENS:
+        raise _bad(source, line, "output_length", "must be an integer in [1, 2^31 - 1]", n_out)
     ids = obj["hash_ids"]
-    if not isinstance(ids, list) or not all(_is_int(h) and h >= 0 for h in ids):
-        raise _bad(source, line, "hash_ids", "must be a list of integers >= 0", ids)
+    if not isinstance(ids, list) or not all(_is_int(h) and 0 <= h <= MAX_HASH_ID for h in ids):
+        raise _bad(source, line, "hash_ids", "must be a list of integers in [0, 2^63 - 1]", ids)
     need = -(-n_in // block_tokens)
     if len(ids) != need:
         raise _bad(source, line, "hash_ids",
@@ -92,8 +116,8 @@ def parse_record(obj: Any, source: str, line: int, block_tokens: int = MOONCAKE_
                          f"{'session' if turn is None else 'turn'})")
     if session is not None and not isinstance(session, str):
         raise _bad(source, line, "session", "must be a string", session)
-    if turn is not None and (not _is_int(turn) or turn < 0):
-        raise _bad(source, line, "turn", "must be an integer >= 0", turn)
+    if turn is not None and (not _is_int(turn) or not 0 <= turn <= MAX_TOKENS):
+        raise _bad(source, line, "turn", "must be an integer in [0, 2^31 - 1]", turn)
     extra = tuple(sorted((k, v) for k, v in obj.items() if k not in REQUIRED_FIELDS + ("session", "turn")))
     return TraceRecord(float(ts), n_in, n_out, tuple(ids), line, session, turn, extra)
 
@@ -102,6 +126,7 @@ def parse_lines(lines: Iterable[str], source: str = "<trace>",
                 block_tokens: int = MOONCAKE_BLOCK_TOKENS) -> list[TraceRecord]:
     """Records in arrival order (stable for equal timestamps). Blank lines are skipped."""
     records = []
+    i = 0
     for i, text in enumerate(lines, start=1):
         if not text.strip():
             continue
@@ -109,10 +134,21 @@ def parse_lines(lines: Iterable[str], source: str = "<trace>",
             obj = json.loads(text)
         except json.JSONDecodeError as err:
             raise TraceError(f"{source} line {i}: not valid JSON ({err.msg} at column {err.colno})") from None
+        except RecursionError:
+            raise TraceError(f"{source} line {i}: not valid JSON here (nested too deeply)") from None
+        except ValueError as err:  # e.g. an integer of more than 4,300 digits
+            raise TraceError(f"{source} line {i}: not valid JSON here ({err})") from None
         records.append(parse_record(obj, source, i, block_tokens))
+        if len(records) > MAX_RECORDS:
+            raise TraceError(f"{source} line {i}: more than {MAX_RECORDS:,} requests; split the trace")
     if not records:
-        raise TraceError(f"{source}: no requests (expected JSON Lines with fields {list(REQUIRED_FIELDS)})")
+        raise TraceError(f"{source} line {max(i, 1)}: no requests in {i:,} line(s) (expected JSON Lines with "
+                         f"fields {list(REQUIRED_FIELDS)})")
     records.sort(key=lambda r: r.timestamp_ms)
+    span = records[-1].timestamp_ms - records[0].timestamp_ms
+    if span > MAX_SPAN_MS:
+        raise TraceError(f"{source} line {records[-1].line}: field 'timestamp' is {span:.0f} ms after the first "
+                         f"request's (line {records[0].line}); arrivals may span at most {MAX_SPAN_MS:.0e} ms")
     check_sessions(records, source)
     return records
 
@@ -138,12 +174,58 @@ def check_sessions(records: Sequence[TraceRecord], source: str = "<trace>") -> N
 
 
 def load_trace(path: str | Path, block_tokens: int = MOONCAKE_BLOCK_TOKENS) -> list[TraceRecord]:
+    """A Mooncake-format JSONL file, plain or gzip-compressed (recognised by its header)."""
     p = Path(path)
-    if not p.is_file():
-        raise TraceError(f"{p}: no such trace file")
-    opener = gzip.open if p.suffix == ".gz" else open
-    with opener(p, "rt", encoding="utf-8") as fh:
-        return parse_lines(fh, str(p), block_tokens)
+    src = str(p)
+    try:
+        if p.is_dir():
+            raise TraceError(f"{src}: is a directory, not a trace file")
+        if not p.is_file():
+            raise TraceError(f"{src}: no such trace file" if not p.exists() else
+                             f"{src}: not a regular file (a device, pipe or socket cannot be replayed)")
+        with open(p, "rb") as raw:
+            head = raw.read(8)
+    except OSError as err:
+        raise TraceError(f"{src}: cannot read ({err.strerror or err})") from None
+    gz = head.startswith(b"\x1f\x8b")
+    if not gz:
+        for magic, kind in _COMPRESSED:
+            if head.startswith(magic):
+                raise TraceError(f"{src} line 1: {kind}-compressed; only plain or gzip-compressed JSON Lines are "
+                                 f"read (decompress it first)")
+        if p.suffix == ".gz":
+            raise TraceError(f"{src} line 1: named .gz but not gzip-compressed (no gzip header)")
+    try:
+        with (gzip.open(p, "rb") if gz else open(p, "rb")) as fh:
+            return parse_lines(_text_lines(fh, src, gz), src, block_tokens)
+    except OSError as err:  # opening: the checks above passed, so this is rare (a file removed meanwhile)
+        raise TraceError(f"{src}: cannot read ({err.strerror or err})") from None
+
+
+def _text_lines(fh: Any, source: str, gz: bool) -> Iterable[str]:
+    """Lines of a binary stream as text, each bounded in length, UTF-8 checked, read errors naming the line."""
+    n = total = 0
+    while True:
+        try:
+            raw = fh.readline(MAX_LINE_BYTES + 1)
+        except (OSError, EOFError, zlib.error) as err:
+            what = "gzip data is corrupt or truncated" if gz else "read error"
+            raise TraceError(f"{source} line {n + 1}: {what} ({err})") from None
+        if not raw:
+            return
+        n += 1
+        total += len(raw)
+        if len(raw) > MAX_LINE_BYTES:
+            raise TraceError(f"{source} line {n}: longer than {MAX_LINE_BYTES:,} bytes (not JSON Lines: a binary "
+                             f"file?)")
+        if n > MAX_LINES or total > MAX_TRACE_BYTES:
+            raise TraceError(f"{source} line {n}: more than {MAX_LINES:,} lines or {MAX_TRACE_BYTES:,} bytes")
+        try:
+            text = raw.decode("utf-8-sig" if n == 1 else "utf-8")
+        except UnicodeDecodeError as err:
+            raise TraceError(f"{source} line {n}: not UTF-8 text (byte 0x{raw[err.start]:02x} at column "
+                             f"{err.start + 1}: a binary or compressed file?)") from None
+        yield text
 
 
 @lru_cache(maxsize=65536)

@@ -5,7 +5,6 @@ Lives in vLLM's scheduler process. It never imports CUDA and only hands plain `O
 
 from __future__ import annotations
 
-import logging
 import math
 from collections import deque
 from dataclasses import dataclass, field
@@ -13,21 +12,24 @@ from typing import Any, Hashable
 
 from offload_connector.config import OffloadConfig
 from offload_connector.groups import GroupInfo, cdiv, check_against_manager, describe_groups, hit_alignment
+from offload_connector.log import get_logger
 from offload_connector.metadata import OffloadMetadata, OffloadWorkerMetadata, TransferJob
 from offload_connector.metrics import OffloadStats, OffloadStatsSink
 from offload_connector.scheduler import ledger
+from offload_connector.scheduler.events import TierEvents, events_enabled
 from offload_connector.scheduler.fairness import FairQueue
 from offload_connector.scheduler.lookup import BlockKeys, full_prefix_tokens, longest_hit
 from offload_connector.scheduler.tier_index import TierIndex
 from offload_connector.scheduler.watchdog import PoolHolder, StallReport, StallWatchdog
 from offload_connector.scheduler.windows import store_points
 
-logger = logging.getLogger("offload_connector")
+logger = get_logger(__name__)
 
 @dataclass
 class _LoadState:
     job: TransferJob
     keys: list[Hashable]
+    tokens: int = 0  # the external tokens granted to vLLM for this load
 
 
 @dataclass
@@ -95,7 +97,7 @@ class OffloadScheduler:
             raise ValueError(
                 f"kv_connector_extra_config: 'cpu_bytes' ({config.cpu_bytes}) is smaller than one host block "
                 f"({self.slot_bytes} bytes for this model); give the CPU tier at least that much")
-        self.tier = TierIndex(capacity, [g.block_bytes for g in self.groups])
+        self.tier = TierIndex(capacity, [g.block_bytes for g in self.groups], policy=config.eviction)
         self._has_full = any(not g.recycling for g in self.groups)
         self._has_recycling = any(g.recycling for g in self.groups)
         policy = getattr(getattr(vllm_config, "scheduler_config", None), "policy", "fcfs")
@@ -123,6 +125,34 @@ class OffloadScheduler:
         self._orphan_loads: dict[int, _LoadState] = {}
         self.admissions: deque[_Admission] = deque(maxlen=4096)
         self._holders_cache: tuple[tuple[int, int, int], int] | None = None
+        # KV cache events for the tier (medium "CPU"), drained by take_events(); only when --kv-events-config
+        # enables them. A store job's BlockStored events are built when it is planned, published when it lands.
+        self.events = TierEvents(events_enabled(vllm_config), self.groups, kv_cache_config)
+        self.tier.on_removed = self.events.removed if self.events.enabled else None
+        self._store_events: dict[int, list[Any]] = {}
+        # Jobs issued before the last reset_cache(): their tier entries are retired (see TierIndex.clear); when
+        # they finish they release their slots instead of publishing or unpinning entries.
+        self._retired_store_slots: dict[int, tuple[int, ...]] = {}
+        self._retired_loads: set[int] = set()
+        self.resets = 0
+        # Until the first step, ask vLLM for one (has_pending_work): its stats carry the tier's capacity to
+        # /metrics right after start-up instead of after the first request.
+        self._startup_step_pending = True
+        logger.info(
+            "offload_connector scheduler side: CPU tier %s per worker = %d slots x %d bytes, shared by %d KV cache "
+            "groups (one slot = one block of one group; %s); reservation %s, admission %s%s, eviction %s, "
+            "window checkpoints every %d tokens, min load %d tokens, KV cache events %s",
+            _fmt_bytes(config.cpu_bytes), capacity, self.slot_bytes, len(self.groups),
+            "; ".join(f"group {g.index}: {g.kind.value}"
+                      + (f" {g.sliding_window}" if g.sliding_window else "")
+                      + (f" chunk {g.chunk_size}" if g.chunk_size else "")
+                      + f", {g.num_layers} layers, {g.block_size}-token blocks of {g.block_bytes} bytes"
+                      for g in self.groups),
+            config.reservation, config.admission_policy,
+            f" (holds newer requests after {config.fair_hold_after_steps} steps)"
+            if config.admission_policy == "fair" else "",
+            config.eviction, config.window_checkpoint_tokens, config.min_load_tokens,
+            "on" if self.events.enabled else "off")
 
     # ------------------------------------------------------------------ binding
     def bind(self, kv_cache_manager: Any) -> None:
@@ -356,7 +386,7 @@ class OffloadScheduler:
         slots = self.tier.pin(keylist)
         self.tier.touch(keylist)
         job = TransferJob(self._new_job_id(), rid, tuple(groups_), tuple(gpu), tuple(slots))
-        self._loads[rid] = _LoadState(job, keylist)
+        self._loads[rid] = _LoadState(job, keylist, num_external_tokens)
         self._pending_loads.append(job)
         state.deferred_since = None
         # Blocks below the hit are on the GPU once the load lands; store planning starts after them.
@@ -439,7 +469,7 @@ class OffloadScheduler:
 
         if not keylist:
             return
-        groups_, gpu, keylist = _in_prefix_order(positions, groups_, gpu, keylist)
+        groups_, gpu, keylist, ends = _in_prefix_order(positions, groups_, gpu, keylist, positions)
         reserved = dict(self.tier.begin_store(keylist))
         if not reserved:
             return
@@ -447,6 +477,9 @@ class OffloadScheduler:
         job = TransferJob(self._new_job_id(), request.request_id, tuple(groups_[i] for i in sel),
                           tuple(gpu[i] for i in sel), tuple(reserved[keylist[i]] for i in sel))
         self._store_jobs[job.job_id] = (request.request_id, [keylist[i] for i in sel], 0)
+        if self.events.enabled:
+            self._store_events[job.job_id] = self.events.describe_store(
+                request, [(groups_[i], ends[i] // self.groups[groups_[i]].block_size - 1) for i in sel], keys)
         self._job_blocks[job.job_id] = job.gpu_blocks
         for bid in job.gpu_blocks:
             self._block_readers.setdefault(bid, set()).add(job.job_id)
@@ -484,6 +517,7 @@ class OffloadScheduler:
     # ------------------------------------------------------------- step output
     def build_meta(self, scheduler_output: Any) -> OffloadMetadata:
         self._step += 1
+        self._startup_step_pending = False
         # Fences look only at stores issued in earlier steps: this step's stores read after this step's forward.
         fences = self._fences(scheduler_output)
         for rid, n in scheduler_output.num_scheduled_tokens.items():
@@ -553,6 +587,10 @@ class OffloadScheduler:
 
     def _finish_load(self, rid: str, ok: bool) -> None:
         load = self._loads.pop(rid, None)
+        if load is not None and ok:
+            # Tokens the request really got from the tier (vLLM's external_prefix_cache_hits counted them when the
+            # load was admitted, whatever became of it; a load of an aborted request below serves nobody).
+            self.stats.record_loaded_tokens(load.tokens)
         if load is None:
             for job_id, orphan in list(self._orphan_loads.items()):
                 if orphan.job.request_id == rid:
@@ -560,10 +598,25 @@ class OffloadScheduler:
                     break
         if load is None:
             return
+        if load.job.job_id in self._retired_loads:  # issued before a reset: its entries were retired
+            self._retired_loads.discard(load.job.job_id)
+            self.tier.release_retired(load.job.host_slots)
+            if not ok:
+                self.counters.load_failures += 1
+            return
         self.tier.unpin(load.keys)
         if not ok:
             self.counters.load_failures += 1
             self.tier.drop(load.keys)
+            state = self._requests.get(rid)
+            if state is not None:
+                # Recompute, never offer this request a load again. vLLM frees a failed load's blocks when it
+                # promotes the request but leaves it in `_inflight_prefills`, so an async load offered to it now is
+                # gated against its own full need on top of everyone else's: refused, the waiting loop breaks at the
+                # head of `kv_holding_waiting`, and any load that landed behind it is never promoted (a stall; the
+                # tier still serves the prefix when another load of it held the entries pinned). A recomputed
+                # prefill is not gated that way and clears the stale entry when it is scheduled.
+                state.no_load = True
 
     def _finish_store(self, job_id: int, ok: bool) -> None:
         entry = self._store_jobs.get(job_id)
@@ -580,7 +633,14 @@ class OffloadScheduler:
                 readers.discard(job_id)
                 if not readers:
                     del self._block_readers[bid]
-        self.tier.finish_store(keys, ok=ok)
+        retired = self._retired_store_slots.pop(job_id, None)
+        events = self._store_events.pop(job_id, None)
+        if retired is not None:  # issued before a reset: its entries were retired, nothing is published
+            self.tier.release_retired(retired)
+        else:
+            self.tier.finish_store(keys, ok=ok)
+            if ok:
+                self.events.stored(events)
         state = self._requests.get(rid)
         if state is not None:
             state.pending_stores.discard(job_id)
@@ -588,15 +648,50 @@ class OffloadScheduler:
     def take_stats(self) -> OffloadStats | None:
         """This step's scheduler-side metrics (deferrals, tier usage, evictions), for `get_kv_connector_stats`."""
         # Called every step: only O(1) tier facts here (TierIndex.stats() walks every entry).
-        self.stats.record_tier(len(self.tier), self.tier.capacity_slots, self.tier.evictions,
+        self.stats.record_tier(self.tier.used_slots(), self.tier.capacity_slots, self.tier.evictions,
                                self.tier.store_rejections)
         self.stats.record_deferred_requests(
             sum(1 for s in self._requests.values() if s.deferred_since is not None))
         return self.stats.take()
 
     def has_pending_work(self) -> bool:
+        # Also while events wait to be published (a reset on an idle engine) and before the first step.
         return bool(self._loads or self._store_jobs or self._pending_loads or self._pending_stores
-                    or self._awaiting_free or self._orphan_loads)
+                    or self._awaiting_free or self._orphan_loads or self.events or self._startup_step_pending)
+
+    # ------------------------------------------------------------------ operations
+    def reset_cache(self) -> bool:
+        """Empty the CPU tier: vLLM's `reset_cache()` hook (`POST /reset_prefix_cache?reset_external=true`, and the
+        cache resets of pause / sleep / weight updates, all between steps).
+
+        Idle entries are freed at once. Entries an in-flight job uses are retired (`TierIndex.clear`): a load in
+        flight still reads its slots and lands normally (its request gets the KV it was admitted with), a store in
+        flight still writes its slots but is never published; each job releases its slots when the worker reports
+        it, so no slot is reused under a copy. Every lookup after the reset misses until new stores land. Requests
+        still running store their blocks again from the start (their progress is reset), so the tier refills with
+        what the GPU holds. Readable entries are announced removed (KV cache events). Always succeeds."""
+        for job_id, (_rid, keys, _seen) in self._store_jobs.items():
+            if job_id not in self._retired_store_slots:  # (retired by an earlier reset: its keys may be new entries)
+                self._retired_store_slots[job_id] = tuple(self.tier.slot_of(k) for k in keys)
+        self._store_events.clear()
+        for load in (*self._loads.values(), *self._orphan_loads.values()):
+            self._retired_loads.add(load.job.job_id)
+        before = self.tier.used_slots()
+        self.tier.clear()
+        for state in self._requests.values():
+            if not state.finished:
+                state.full_stored = [0] * len(self.groups)
+                state.window_next = [0] * len(self.groups)
+                state.window_scanned = 0
+        self.resets += 1
+        logger.info("offload_connector: CPU tier reset: %d slots freed, %d kept until %d in-flight copies finish",
+                    before - self.tier.used_slots(), self.tier.used_slots(),
+                    len(self._retired_store_slots) + len(self._retired_loads))
+        return True
+
+    def take_events(self) -> list[Any]:
+        """KV cache events (medium "CPU") since the last call: the connector's `take_events()`."""
+        return self.events.take()
 
 
 
@@ -608,6 +703,13 @@ def _in_prefix_order(positions: list[int], *columns: list[Any]) -> list[list[Any
     blocks useless past the last window still stored)."""
     order = sorted(range(len(positions)), key=positions.__getitem__)
     return [[col[i] for i in order] for col in columns]
+
+
+def _fmt_bytes(n: int) -> str:
+    for unit, size in (("TiB", 2**40), ("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if n >= size:
+            return f"{n / size:.1f} {unit} ({n} bytes)"
+    return f"{n} bytes"
 
 
 def _gcd_block(groups: list[GroupInfo]) -> int:

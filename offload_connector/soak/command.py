@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import random
 import sys
 from dataclasses import dataclass
 from typing import Any
@@ -26,48 +27,79 @@ SOAK_DEFAULTS = {
 }
 
 
-def add_parser(sub: Any) -> None:
-    from offload_connector.replay.command import parse_bytes
+# One simulated day, 24x the README's hour: arrivals are generated up front and a few numbers are kept per step
+# (1e12 ran out of memory building the arrivals).
+MAX_SIM_SECONDS = 86400.0
+MAX_ABORT_WINDOW_S = 86400.0
+PROG = "offload-connector soak"
 
+
+def add_parser(sub: Any) -> None:
+    from offload_connector.replay.command import (MAX_BATCHED_TOKENS, MAX_GPU_BLOCKS, MAX_MODEL_LEN, MAX_NUM_SEQS,
+                                                  MAX_SEED, MAX_STALL_STEPS, MIN_GPU_BLOCKS, MIN_MODEL_LEN, float_in,
+                                                  int_in, parse_bytes)
+
+    rate = float_in(0.0, 1.0)
     p = sub.add_parser("soak", help="soak our connector for simulated hours: random aborts, preemptions, load/store "
                        "failures, tiny CPU tier; invariants after every step", description=__doc__)
     p.add_argument("--model", choices=sorted(SOAK_DEFAULTS), default="gemma-4-31b")
-    p.add_argument("--sim-seconds", type=float, default=3600.0, help="simulated time to generate arrivals for")
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--gpu-blocks", type=int, help="GPU KV pool (default: gemma 2188, deepseek 1536)")
-    p.add_argument("--cpu-bytes", type=parse_bytes, help="CPU tier (default: gemma 4GB, deepseek 2GB)")
-    p.add_argument("--max-model-len", type=int, help="default: gemma 13312, deepseek 131072")
-    p.add_argument("--max-num-batched-tokens", type=int, default=1024)
-    p.add_argument("--max-num-seqs", type=int, default=64)
-    p.add_argument("--abort-rate", type=float, default=0.05, help="share of requests aborted at a random time")
-    p.add_argument("--abort-window-s", type=float, default=3.0, help="aborts fall in a request's first N sim s")
-    p.add_argument("--abort-loading-rate", type=float, default=0.1, help="share of loads aborted mid-copy")
-    p.add_argument("--load-failure-rate", type=float, default=0.1, help="share of load jobs that fail")
-    p.add_argument("--store-failure-rate", type=float, default=0.02, help="share of store jobs that fail")
-    p.add_argument("--preempt-rate", type=float, default=0.002, help="per step: preempt a random running request")
-    p.add_argument("--stall-steps", type=int, default=200)
-    p.add_argument("--json", help="write the result here")
+    p.add_argument("--sim-seconds", type=float_in(1.0, MAX_SIM_SECONDS), default=3600.0,
+                   help=f"simulated time to generate arrivals for, 1 to {MAX_SIM_SECONDS:,.0f}")
+    p.add_argument("--seed", type=int_in(0, MAX_SEED), default=0, help="0 to 2^63-1")
+    p.add_argument("--gpu-blocks", type=int_in(MIN_GPU_BLOCKS, MAX_GPU_BLOCKS),
+                   help="GPU KV pool, at least one max_model_len request's worth (default: gemma 2188, deepseek 1536)")
+    p.add_argument("--cpu-bytes", type=parse_bytes, help="CPU tier, at least one host block (default: gemma 4GB, "
+                   "deepseek 2GB)")
+    p.add_argument("--max-model-len", type=int_in(MIN_MODEL_LEN, MAX_MODEL_LEN),
+                   help="at least 2 (default: gemma 13312, deepseek 131072)")
+    p.add_argument("--max-num-batched-tokens", type=int_in(1, MAX_BATCHED_TOKENS), default=1024,
+                   help=f"1 to {MAX_BATCHED_TOKENS:,}, at least --max-num-seqs")
+    p.add_argument("--max-num-seqs", type=int_in(1, MAX_NUM_SEQS), default=64, help=f"1 to {MAX_NUM_SEQS:,}")
+    p.add_argument("--abort-rate", type=rate, default=0.05, help="share of requests aborted at a random time, 0 to 1")
+    p.add_argument("--abort-window-s", type=float_in(0.0, MAX_ABORT_WINDOW_S), default=3.0,
+                   help=f"aborts fall in a request's first N sim s, 0 to {MAX_ABORT_WINDOW_S:,.0f}")
+    p.add_argument("--abort-loading-rate", type=rate, default=0.1, help="share of loads aborted mid-copy")
+    p.add_argument("--load-failure-rate", type=rate, default=0.1, help="share of load jobs that fail")
+    p.add_argument("--store-failure-rate", type=rate, default=0.02, help="share of store jobs that fail")
+    p.add_argument("--preempt-rate", type=rate, default=0.002, help="per step: preempt a random running request")
+    p.add_argument("--stall-steps", type=int_in(1, MAX_STALL_STEPS), default=200, help=f"1 to {MAX_STALL_STEPS:,}")
+    p.add_argument("--json", help="write the result here (the directory must exist)")
     p.add_argument("--no-progress", action="store_true")
 
 
 def run(args: argparse.Namespace) -> int:
-    import offload_connector.sim  # noqa: F401  (platform environment before vLLM loads)
+    from offload_connector.replay.command import (ArgError, check_batch, check_output_path, check_progress, fail,
+                                                  one_line, preflight)
     from offload_connector.replay.timemodel import time_model_for
-    from offload_connector.soak.runner import SoakConfig, render_summary, run_soak
+
+    try:  # before vLLM loads
+        check_batch(args)
+        check_output_path("--json", args.json)
+        check_progress(args)
+    except ArgError as err:
+        return fail(PROG, err)
+
+    import offload_connector.sim  # noqa: F401  (platform environment before vLLM loads)
+    from offload_connector.replay.timemodel import SimClock
+    from offload_connector.soak.runner import SoakConfig, SoakEngine, render_summary, run_soak
 
     d = SOAK_DEFAULTS[args.model]
+    pick = lambda given, default: default if given is None else given  # noqa: E731  (0 is not "unset")
     try:
-        cfg = SoakConfig(model=args.model, sim_seconds=args.sim_seconds, num_gpu_blocks=args.gpu_blocks or
-                         d.num_gpu_blocks, cpu_bytes=args.cpu_bytes or d.cpu_bytes,
-                         max_num_batched_tokens=args.max_num_batched_tokens,
-                         max_model_len=args.max_model_len or d.max_model_len, max_num_seqs=args.max_num_seqs,
+        cfg = SoakConfig(model=args.model, sim_seconds=args.sim_seconds,
+                         num_gpu_blocks=pick(args.gpu_blocks, d.num_gpu_blocks), cpu_bytes=pick(args.cpu_bytes,
+                         d.cpu_bytes), max_num_batched_tokens=args.max_num_batched_tokens,
+                         max_model_len=pick(args.max_model_len, d.max_model_len), max_num_seqs=args.max_num_seqs,
                          time_model=time_model_for(args.model), seed=args.seed, abort_rate=args.abort_rate,
                          abort_window_s=args.abort_window_s, abort_loading_rate=args.abort_loading_rate,
                          load_failure_rate=args.load_failure_rate, store_failure_rate=args.store_failure_rate,
                          preempt_rate=args.preempt_rate, stall_steps=args.stall_steps)
     except ValueError as err:
-        print(f"offload-connector soak: {err}", file=sys.stderr)
-        return 2
+        return fail(PROG, err)
+    problem = preflight([("soak", lambda: SoakEngine(cfg, SimClock(cfg.time_model), random.Random(0), 0.0, 0.0))],
+                        cfg)
+    if problem is not None:
+        return fail(PROG, problem)
     bar = None
     if not args.no_progress:
         from tqdm import tqdm
@@ -97,7 +129,11 @@ def run(args: argparse.Namespace) -> int:
     for p in res.problems:
         print(f"  ! {p}")
     if args.json:
-        with open(args.json, "w") as fh:
-            json.dump(res.to_json(), fh, indent=2, default=str)
+        try:
+            with open(args.json, "w") as fh:
+                json.dump(res.to_json(), fh, indent=2, default=str)
+        except OSError as err:  # checked before the run; the disk filled up or the directory went away since
+            print(f"{PROG}: error: {one_line(f'cannot write the results ({err})')}", file=sys.stderr)
+            return 1
         print(f"results: {args.json}")
     return 0 if res.ok else 1

@@ -10,18 +10,18 @@ frees its blocks.
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import torch
 
-from offload_connector.config import OffloadConfig
+from offload_connector.config import ConfigError, OffloadConfig, check_host_memory
+from offload_connector.log import get_logger
 from offload_connector.metadata import OffloadMetadata, OffloadWorkerMetadata, TransferJob
 from offload_connector.metrics import OffloadStats, OffloadStatsSink, counts_blocks_here
 from offload_connector.worker.layout import KVLayout, build_layout, expected_slot_bytes, host_views
 from offload_connector.worker.transfers import TransferEngine
 
-logger = logging.getLogger("offload_connector")
+logger = get_logger(__name__)
 
 
 class OffloadWorker:
@@ -50,6 +50,9 @@ class OffloadWorker:
         if config.debug_corrupt_load:
             logger.warning("offload_connector: debug_corrupt_load is on: every loaded prefix is deliberately "
                            "corrupted (fault injection for tests)")
+        if config.debug_copy_delay_s:
+            logger.warning("offload_connector: debug_copy_delay_s is on: the copy of every load is issued %g s late "
+                           "(test aid)", config.debug_copy_delay_s)
 
     # ------------------------------------------------------------------ set-up
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
@@ -62,19 +65,38 @@ class OffloadWorker:
             raise ValueError(f"kv_connector_extra_config: 'cpu_bytes' ({self.config.cpu_bytes}) is smaller than one "
                              f"host block ({expected_slot_bytes(self.kv_cache_config)} bytes)")
         device = views[0].device
-        self.host_tier = allocate_host_tier(num_slots, layout.slot_bytes, pin=device.type == "cuda")
+        # Before the mmap: a tier the host cannot hold is one ConfigError naming 'cpu_bytes', not a bare OSError.
+        check_host_memory(num_slots * layout.slot_bytes)
+        try:
+            self.host_tier = allocate_host_tier(num_slots, layout.slot_bytes, pin=device.type == "cuda")
+        except OSError as err:  # the kernel refused the mapping all the same (ENOMEM under strict overcommit)
+            raise ConfigError(f"kv_connector_extra_config: 'cpu_bytes': the host refused the "
+                              f"{num_slots * layout.slot_bytes:,}-byte host tier ({err}); lower 'cpu_bytes'") from None
         hosts = host_views(self.host_tier.tensor, layout)
         copier = make_copier(self.config.transfer_backend, views, hosts, layout.segments, device=device)
         self.backend = getattr(copier, "name", type(copier).__name__)
         self.layout, self._device_views = layout, views
+        checksums = None
+        if self.config.verify_loads:
+            from offload_connector.worker.checksum import BlockChecksummer, SlotChecksums
+            checksums = SlotChecksums(BlockChecksummer(views, layout.segments, [p.host_offset for p in layout.pages]),
+                                      num_slots)
         self.engine = TransferEngine(copier, len(layout.group_bytes), layout.group_bytes, device,
-                                     on_load_landed=self._corrupt if self.config.debug_corrupt_load else None,
+                                     after_load_copy=self._corrupt if self.config.debug_corrupt_load else None,
                                      load_timeout_s=self.config.load_timeout_s,
-                                     fail_loads=self.config.debug_fail_load)
+                                     fail_loads=self.config.debug_fail_load, checksums=checksums,
+                                     copy_delay_s=self.config.debug_copy_delay_s)
         self._count_blocks = counts_blocks_here()
-        logger.info("offload_connector: %d KV pages over %d groups, host tier %d slots x %d bytes (%s), backend %s",
-                    len(layout.pages), len(layout.segments), num_slots, layout.slot_bytes,
-                    "pinned" if getattr(self.host_tier, "pinned", False) else "pageable", self.backend)
+        logger.info("offload_connector worker side: host tier %d bytes (cpu_bytes %d) = %d slots x %d bytes (%s, "
+                    "%s), shared by %d KV cache groups (%s); %d unique KV pages in all; backend %s "
+                    "(transfer_backend %s); load timeout %s",
+                    num_slots * layout.slot_bytes, self.config.cpu_bytes, num_slots, layout.slot_bytes,
+                    "pinned" if getattr(self.host_tier, "pinned", False) else "pageable", device.type,
+                    len(layout.segments),
+                    "; ".join(f"group {g}: {len(seg)} pages, {nbytes} bytes per block"
+                              for g, (seg, nbytes) in enumerate(zip(layout.segments, layout.group_bytes))),
+                    len(layout.pages), self.backend, self.config.transfer_backend,
+                    f"{self.config.load_timeout_s:g} s" if self.config.load_timeout_s else "off")
 
     # -------------------------------------------------------------- per step
     def fence(self, meta: OffloadMetadata) -> None:
@@ -107,6 +129,8 @@ class OffloadWorker:
             job = result.job
             self.stats.record_transfer(result.kind, job.num_blocks, result.nbytes, result.seconds, result.ok,
                                        count_blocks=self._count_blocks)
+            if result.verify_failed:
+                self.stats.record_load_verify_failure()
             if result.kind == "load":
                 self._held_loads.append((self.config.debug_load_delay_steps, job.request_id, result.ok))
                 continue
@@ -159,6 +183,7 @@ class OffloadWorker:
 
     # ----------------------------------------------------------- fault injection
     def _corrupt(self, job: TransferJob) -> None:
+        # Runs right after the load's copy, in its stream (TransferEngine's after_load_copy), so verify_loads sees it.
         assert self.layout is not None
         # Flip the top bit of every other byte: for 16-bit KV (bf16/fp16, little-endian) that negates each value,
         # so the block stays finite and plausible instead of turning into NaNs a model might just propagate.

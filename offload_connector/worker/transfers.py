@@ -9,12 +9,17 @@ the scheduler fences stores whose source blocks the next forward pass reuses (`w
 
 A load that has not landed by its deadline is reported failed, so vLLM recomputes (or fails) the request instead
 of waiting forever. Its copy cannot be cancelled, though, and still writes into blocks vLLM will hand out again: until
-it lands it stays a "zombie", and every later copy and forward pass is ordered after it on the GPU.
+it lands it stays a "zombie", and every later copy and forward pass is ordered after it (on the GPU by stream order;
+a copy not issued yet, which only `debug_copy_delay_s` makes on the CPU backend, is waited for on the host).
+
+With `verify_loads` (a `SlotChecksums`), every store also queues the checksums of its source blocks right after its
+copy, kept per host slot once the store lands, and every load queues the checksums of its destination blocks right
+after its copy: a load whose blocks do not match their slots' checksums is reported failed like a late one.
 """
 
 from __future__ import annotations
 
-import logging
+import contextlib
 import time
 from dataclasses import dataclass
 from typing import Any, Callable, Literal, Sequence
@@ -22,18 +27,78 @@ from typing import Any, Callable, Literal, Sequence
 import numpy as np
 import torch
 
+from offload_connector.log import get_logger
 from offload_connector.metadata import TransferJob
+from offload_connector.worker.checksum import PendingSums, SlotChecksums
 
-logger = logging.getLogger("offload_connector")
+logger = get_logger(__name__)
 
 Kind = Literal["load", "store"]
+
+
+class _Issued:
+    """One job's copy and what follows it in stream order (fault injection, checksums), with a completion handle's
+    interface (`query`, `wait`, `order_before`).
+
+    Issued at once, or `delay_s` later (`debug_copy_delay_s`): until then nothing has been copied and `query()` is
+    false, so the deadline check sees a load that genuinely has not landed; the copy is issued by the first `query`
+    after the delay, or by `wait`/`order_before`, which sleep out the rest of it (a copy not issued yet cannot be
+    ordered on a stream, so it is waited for on the host).
+    """
+
+    def __init__(self, issue: Callable[[], tuple[Any, PendingSums | None]], delay_s: float = 0.0) -> None:
+        self._issue = issue
+        self._at = time.perf_counter() + delay_s
+        self.completion: Any = None
+        self.sums: PendingSums | None = None
+        self.error: str | None = None
+        if delay_s <= 0:
+            self._start()
+
+    def _start(self) -> None:
+        if self.issued:
+            return
+        try:
+            self.completion, self.sums = self._issue()
+        except Exception as exc:  # a copy that raised has landed, as a failure
+            self.error = str(exc) or type(exc).__name__
+
+    @property
+    def issued(self) -> bool:
+        return self.completion is not None or self.error is not None
+
+    def query(self) -> bool:
+        if not self.issued:
+            if time.perf_counter() < self._at:
+                return False
+            self._start()
+        if self.error is not None:
+            return True
+        return bool(self.completion.query()) and (self.sums is None or self.sums.query())
+
+    def wait(self) -> None:
+        if not self.issued:
+            time.sleep(max(0.0, self._at - time.perf_counter()))
+            self._start()
+        if self.error is None:
+            self.completion.wait()
+            if self.sums is not None:
+                self.sums.wait()
+
+    def order_before(self, stream: Any) -> None:
+        if not self.issued:
+            self.wait()
+        if self.error is None:
+            self.completion.order_before(stream)
+            if self.sums is not None:
+                self.sums.order_before(stream)
 
 
 @dataclass
 class _InFlight:
     kind: Kind
     job: TransferJob
-    completion: Any  # kernels.Completion, or None when the copy raised
+    completion: _Issued | None  # None when the job failed before any copy (injected failure)
     started: float
     nbytes: int
     error: str | None = None
@@ -46,17 +111,24 @@ class JobResult:
     ok: bool
     seconds: float
     nbytes: int
+    # A load whose blocks landed but did not match their stored checksums (verify_loads); `ok` is False then.
+    verify_failed: bool = False
 
 
 class TransferEngine:
     def __init__(self, copier: Any, num_groups: int, group_bytes: Sequence[int], device: torch.device,
-                 on_load_landed: Callable[[TransferJob], None] | None = None, load_timeout_s: float = 0.0,
-                 fail_loads: bool = False) -> None:
+                 after_load_copy: Callable[[TransferJob], None] | None = None, load_timeout_s: float = 0.0,
+                 fail_loads: bool = False, checksums: SlotChecksums | None = None,
+                 copy_delay_s: float = 0.0) -> None:
         self._copier = copier
         self._num_groups = num_groups
         self._group_bytes = list(group_bytes)
         self._device = device
-        self._on_load_landed = on_load_landed
+        # Runs in stream order right after each load's copy, before its checksums (debug_corrupt_load).
+        self._after_load_copy = after_load_copy
+        self._checksums = checksums
+        self._copy_delay_s = copy_delay_s  # debug_copy_delay_s: loads' copies are issued this much later
+        self.verify_failures = 0
         self._jobs: dict[int, _InFlight] = {}
         self._zombies: dict[int, _InFlight] = {}  # timed-out loads whose copies have not landed yet
         self._load_timeout_s = load_timeout_s
@@ -85,18 +157,33 @@ class TransferEngine:
     def _nbytes(self, job: TransferJob) -> int:
         return sum(self._group_bytes[g] for g in job.groups)
 
+    @staticmethod
+    def _on(stream: Any) -> Any:
+        return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
+
     def submit_store(self, job: TransferJob) -> None:
         started = time.perf_counter()
         self._after_zombies(self.store_stream)
-        try:
+        if self._checksums is not None:
+            self._checksums.invalidate(job.host_slots)  # the slots' old contents are being replaced
+
+        def issue() -> tuple[Any, PendingSums | None]:
             if self.store_stream is not None:
                 self.store_stream.wait_stream(torch.cuda.current_stream(self._device))
             completion = self._copier.copy("d2h", self._ids(job), stream=self.store_stream)
-        except Exception as exc:  # a failed store only loses cache entries; report it, keep serving
-            logger.warning("offload_connector: store job %d failed: %s", job.job_id, exc)
-            self._jobs[job.job_id] = _InFlight("store", job, None, started, 0, str(exc))
+            sums = None
+            if self._checksums is not None:
+                # Same stream, after the copy: reads the source blocks as the copy read them (they cannot change
+                # before the store lands: loads into them wait for it and the scheduler fences their reuse).
+                with self._on(self.store_stream):
+                    sums = self._checksums.measure(job.groups, job.gpu_blocks, self.store_stream)
+            return completion, sums
+        issued = _Issued(issue)
+        if issued.error is not None:  # a failed store only loses cache entries; report it, keep serving
+            logger.warning("offload_connector: store job %d failed: %s", job.job_id, issued.error)
+            self._jobs[job.job_id] = _InFlight("store", job, None, started, 0, issued.error)
             return
-        self._jobs[job.job_id] = _InFlight("store", job, completion, started, self._nbytes(job))
+        self._jobs[job.job_id] = _InFlight("store", job, issued, started, self._nbytes(job))
         for bid in job.gpu_blocks:
             self._readers.setdefault(bid, set()).add(job.job_id)
 
@@ -109,17 +196,29 @@ class TransferEngine:
             self._jobs[job.job_id] = _InFlight("load", job, None, started, 0, "injected failure (debug_fail_load)")
             return
         self._after_zombies(self.load_stream)
-        try:
-            if self.load_stream is not None:
-                # A destination block may have been freed by a request whose last forward pass is still queued on
-                # the compute stream (async scheduling) and will write it: land after that, never under it.
-                self.load_stream.wait_stream(torch.cuda.current_stream(self._device))
+        if self.load_stream is not None:
+            # A destination block may have been freed by a request whose last forward pass is still queued on
+            # the compute stream (async scheduling) and will write it: land after that, never under it.
+            self.load_stream.wait_stream(torch.cuda.current_stream(self._device))
+
+        def issue() -> tuple[Any, PendingSums | None]:
             completion = self._copier.copy("h2d", self._ids(job), stream=self.load_stream)
-        except Exception as exc:
-            logger.warning("offload_connector: load job %d for %s failed: %s", job.job_id, job.request_id, exc)
-            self._jobs[job.job_id] = _InFlight("load", job, None, started, 0, str(exc))
+            sums = None
+            if self._after_load_copy is not None or self._checksums is not None:
+                with self._on(self.load_stream):
+                    if self._after_load_copy is not None:
+                        self._after_load_copy(job)
+                    if self._checksums is not None:
+                        # On the device, after the copy: only the n checksums come back to the host.
+                        sums = self._checksums.measure(job.groups, job.gpu_blocks, self.load_stream)
+            return completion, sums
+        issued = _Issued(issue, self._copy_delay_s)
+        if issued.error is not None:
+            logger.warning("offload_connector: load job %d for %s failed: %s", job.job_id, job.request_id,
+                           issued.error)
+            self._jobs[job.job_id] = _InFlight("load", job, None, started, 0, issued.error)
             return
-        self._jobs[job.job_id] = _InFlight("load", job, completion, started, self._nbytes(job))
+        self._jobs[job.job_id] = _InFlight("load", job, issued, started, self._nbytes(job))
 
     # ---------------------------------------------------------------- complete
     def _after_zombies(self, stream: Any) -> None:
@@ -127,9 +226,10 @@ class TransferEngine:
             flight.completion.order_before(stream)
 
     def order_compute_after_zombies(self) -> None:
-        """Before a forward pass: it may write blocks a timed-out load is still copying into."""
-        if self._zombies and self._device.type == "cuda":
-            self._after_zombies(torch.cuda.current_stream(self._device))
+        """Before a forward pass: it may write blocks a timed-out load is still copying into. On the CPU backend
+        only a copy not issued yet (debug_copy_delay_s) can still be pending, and it is waited for here."""
+        if self._zombies:
+            self._after_zombies(torch.cuda.current_stream(self._device) if self._device.type == "cuda" else None)
 
     def wait_for_jobs(self, job_ids: set[int] | Sequence[int]) -> None:
         for job_id in job_ids:
@@ -156,7 +256,12 @@ class TransferEngine:
                     done.append(JobResult("load", flight.job, False, now - flight.started, 0))
                 continue
             del self._jobs[job_id]
-            ok = flight.completion is not None
+            issued = flight.completion
+            ok = issued is not None and issued.error is None
+            if issued is not None and issued.error is not None:  # a delayed copy that raised when issued
+                logger.warning("offload_connector: %s job %d for %s failed: %s", flight.kind, job_id,
+                               flight.job.request_id, issued.error)
+            verify_failed = False
             if flight.kind == "store":
                 for bid in flight.job.gpu_blocks:
                     readers = self._readers.get(bid)
@@ -164,10 +269,20 @@ class TransferEngine:
                         readers.discard(job_id)
                         if not readers:
                             del self._readers[bid]
-            elif ok and self._on_load_landed is not None:
-                self._on_load_landed(flight.job)
+                if ok and issued.sums is not None:
+                    self._checksums.record(flight.job.host_slots, issued.sums.values())
+            elif ok and issued.sums is not None:
+                bad = self._checksums.mismatches(flight.job.host_slots, issued.sums.values())
+                if bad.size:
+                    ok, verify_failed = False, True
+                    self.verify_failures += 1
+                    job, first = flight.job, int(bad[0])
+                    logger.warning("offload_connector: load job %d for %s: %d of %d blocks do not match the "
+                                   "checksums stored with them (first: group %d, GPU block %d, host slot %d); "
+                                   "reporting the load failed", job_id, job.request_id, bad.size, job.num_blocks,
+                                   job.groups[first], job.gpu_blocks[first], job.host_slots[first])
             done.append(JobResult(flight.kind, flight.job, ok, time.perf_counter() - flight.started,
-                                  flight.nbytes))
+                                  flight.nbytes, verify_failed))
         return done
 
     def pending(self) -> int:
