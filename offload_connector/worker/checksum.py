@@ -34,6 +34,8 @@ from typing import Any, Sequence
 import numpy as np
 import torch
 
+from offload_connector.kernels.api import Completion
+
 CHUNK_BYTES = 512
 _K = 0x9E3779B97F4A7C15
 _MASK = (1 << 64) - 1
@@ -135,32 +137,23 @@ class BlockChecksummer:
         return out
 
 
-class PendingSums:
+class PendingSums(Completion):
     """Checksums queued after a copy: `values()` once `query()` is true. On CUDA the device results are copied into
-    a pinned host buffer in the same stream and an event marks when they are there; on the CPU they are ready."""
+    a pinned host buffer in the same stream and an event marks when they are there (the copy's own completion
+    handle, so it is queried, waited on and ordered the same way); on the CPU they are ready."""
 
     def __init__(self, device_sums: torch.Tensor, stream: Any = None, order: np.ndarray | None = None) -> None:
         self._device = device_sums
         self._order = order  # values()[order[i]] is device_sums[i]
-        self._event = None
+        event = None
         if device_sums.device.type == "cuda":
             self._host = torch.empty(device_sums.shape, dtype=torch.int64, pin_memory=True)
             self._host.copy_(device_sums, non_blocking=True)
-            self._event = torch.cuda.Event()
-            self._event.record(stream if stream is not None else torch.cuda.current_stream(device_sums.device))
+            event = torch.cuda.Event()
+            event.record(stream if stream is not None else torch.cuda.current_stream(device_sums.device))
         else:
             self._host = device_sums
-
-    def query(self) -> bool:
-        return True if self._event is None else bool(self._event.query())
-
-    def wait(self) -> None:
-        if self._event is not None:
-            self._event.synchronize()
-
-    def order_before(self, stream: Any) -> None:
-        if self._event is not None and stream is not None:
-            stream.wait_event(self._event)
+        super().__init__(event)
 
     def values(self) -> np.ndarray:
         self.wait()
