@@ -182,7 +182,8 @@ class TierIndex:
                 self.policy.touch(key)
 
     def drop(self, keys: Iterable[Key]) -> None:
-        """Forget entries whose contents are known bad (a failed load); pinned entries go when unpinned."""
+        """Forget the entries of a failed load. Entries another load still pins are kept: its copy is reading them,
+        and a failure (a timeout, a copy error) does not show that the stored bytes are bad."""
         for key in keys:
             entry = self._entries.get(key)
             if entry is not None and entry.pins == 0:
