@@ -22,7 +22,10 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from offload_connector.sim.fuzz import random_case, run_case  # noqa: E402
+from offload_bench.platform import use_cpu_platform  # noqa: E402
+
+use_cpu_platform()  # before vLLM is imported
+from offload_bench.sim.fuzz import random_case, run_case  # noqa: E402
 
 
 def main() -> int:

@@ -2,7 +2,7 @@
 """Scheduler-side cost per step: our OffloadConnector vs vLLM's in-tree OffloadingConnector (steady decode).
 
 For each N in --requests and each connector, a real vLLM scheduler (the class EngineCore would pick) is built on
-CPU for the Gemma-4-31B layout (vLLM's own KV cache planner, offload_connector.sim.layouts), N requests with
+CPU for the Gemma-4-31B layout (vLLM's own KV cache planner, offload_bench.sim.layouts), N requests with
 distinct 1-2k-token prompts are added and stepped until all N are RUNNING in decode (warm-up, not timed), then
 --steps steps of steady decode are timed with time.perf_counter:
 
@@ -13,9 +13,9 @@ distinct 1-2k-token prompts are added and stepped until all N are RUNNING in dec
                    outermost calls only.
 
 Connectors: none (baseline), ours (kv_connector_module_path "offload_connector", {"cpu_bytes", "reservation":
-"exact"}; worker simulated by TagCopyEngine through SchedulerDriver) and vLLM's OffloadingConnector
-({"cpu_bytes_to_use"}; its real WORKER-role connector with only the copy engine faked, see
-offload_connector/sim/vllm_offloading.py). By default a second vLLM row sets "offload_prompt_only": false, because
+"exact"}; its real worker over the simulated copy backend TagCopier, through SchedulerDriver) and vLLM's
+OffloadingConnector ({"cpu_bytes_to_use"}; its real WORKER-role connector with only the copy engine faked, see
+benchmarks/offload_bench/sim/vllm_offloading.py). By default a second vLLM row sets "offload_prompt_only": false, because
 vLLM's default stores nothing during decode while ours stores decode blocks too. Transfers complete one step after
 they are issued. Batches are pipelined as EngineCore does under async scheduling (step s+1 is scheduled before
 step s's output is applied), identically for all connectors; per step = one schedule() + one update_from_output().
@@ -50,7 +50,9 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-import offload_connector.sim  # noqa: E402,F401  (sets the CPU/offline environment before vLLM is imported)
+from offload_bench.platform import use_cpu_platform  # noqa: E402
+
+use_cpu_platform()  # before vLLM is imported
 
 MODEL = "gemma-4-31b"
 MAX_MODEL_LEN = 4096
@@ -138,15 +140,16 @@ def pool_blocks(n: int, max_tokens_per_req: int) -> int:
 
 
 def build(kind: str, n: int, args: argparse.Namespace, timed_steps: int) -> tuple[Any, Any, dict[str, Any]]:
-    from offload_connector.sim.driver import SchedulerDriver, TagCopyEngine
-    from offload_connector.sim.layouts import build_scheduler, build_sim_model, build_vllm_config
-    from offload_connector.sim.scenarios import connector_config
+    from offload_bench.sim.driver import SchedulerDriver
+    from offload_bench.sim.tagcopy import TagCopier
+    from offload_bench.sim.layouts import build_scheduler, build_sim_model, build_vllm_config
+    from offload_bench.sim.scenarios import connector_config
 
     kt = None
     if kind == "ours":
         kt = connector_config("exact", args.cpu_bytes)
     elif kind in ("vllm", "vllm-decode"):
-        from offload_connector.sim.vllm_offloading import offloading_config
+        from offload_bench.sim.vllm_offloading import offloading_config
         extra = {"offload_prompt_only": False} if kind == "vllm-decode" else {}
         kt = offloading_config(args.cpu_bytes, **extra)
     max_tokens = PROMPT_MAX + args.warmup_steps + timed_steps + 400
@@ -159,9 +162,9 @@ def build(kind: str, n: int, args: argparse.Namespace, timed_steps: int) -> tupl
                             "kv_cache_tensors": len(sim.kv_cache_config.kv_cache_tensors),
                             "scheduler_cls": type(sched).__name__}
     if kind in ("none", "ours"):
-        drv = SchedulerDriver(sched, TagCopyEngine(latency_steps=1) if kind == "ours" else None, check_loads=False)
+        drv = SchedulerDriver(sched, TagCopier(1) if kind == "ours" else None, check_loads=False)
     else:
-        from offload_connector.sim.vllm_offloading import VllmOffloadingDriver, VllmOffloadingWorkerSim
+        from offload_bench.sim.vllm_offloading import VllmOffloadingDriver, VllmOffloadingWorkerSim
         # Same batch pipelining as SchedulerDriver (older SchedulerDrivers apply each output at once).
         depth = None if "batch_depth" in inspect.signature(SchedulerDriver).parameters else 1
         drv = VllmOffloadingDriver(sched, VllmOffloadingWorkerSim(vc, sim.worker_kv_cache_config, latency_steps=1),
@@ -171,7 +174,7 @@ def build(kind: str, n: int, args: argparse.Namespace, timed_steps: int) -> tupl
 
 
 def make_requests(n: int, sim: Any) -> list[Any]:
-    from offload_connector.sim.requests import make_request, tokens
+    from offload_bench.sim.requests import make_request, tokens
 
     rng = random.Random(1234)
     reqs = []

@@ -22,10 +22,12 @@ MODELS = ("gemma-4-31b", "deepseek-v4-flash")
 
 
 def _one(model: str, sim_seconds: float, seed: int) -> dict:
-    import offload_connector.sim  # noqa: F401
-    from offload_connector.replay.timemodel import time_model_for
-    from offload_connector.soak.command import SOAK_DEFAULTS
-    from offload_connector.soak.runner import SoakConfig, run_soak
+    from offload_bench.platform import use_cpu_platform
+
+    use_cpu_platform()  # before vLLM is imported
+    from offload_bench.replay.timemodel import time_model_for
+    from offload_bench.soak.command import SOAK_DEFAULTS
+    from offload_bench.soak.runner import SoakConfig, run_soak
 
     d = SOAK_DEFAULTS[model]
     cfg = SoakConfig(model=model, sim_seconds=sim_seconds, num_gpu_blocks=d.num_gpu_blocks, cpu_bytes=d.cpu_bytes,
@@ -38,9 +40,9 @@ MAX_JOBS = 16
 
 
 def main(argv: list[str] | None = None) -> int:
-    from offload_connector.replay.command import (MAX_SEED, ArgError, OneLineParser, check_output_path, fail,
+    from offload_bench.replay.command import (MAX_SEED, ArgError, OneLineParser, check_output_path, fail,
                                                   float_in, int_in)
-    from offload_connector.soak.command import MAX_SIM_SECONDS
+    from offload_bench.soak.command import MAX_SIM_SECONDS
 
     prog = "soak.py"
     ap = OneLineParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -65,7 +67,7 @@ def main(argv: list[str] | None = None) -> int:
         return fail(prog, err)
     with ProcessPoolExecutor(max_workers=min(args.jobs, len(models))) as pool:
         outs = list(pool.map(_one, models, [args.sim_seconds] * len(models), [args.seed] * len(models)))
-    from offload_connector.soak.runner import SoakResult, render_summary
+    from offload_bench.soak.runner import SoakResult, render_summary
 
     fields = set(SoakResult.__dataclass_fields__)
     results = [SoakResult(**{k: v for k, v in o.items() if k in fields}) for o in outs]

@@ -66,7 +66,7 @@ def run(page: int, total_bytes: int, tensors: int, pad: int, repeats: int, seed:
         for mode, engine in engines.items():
             for kind in ("store", "load"):
                 job_id += 1
-                job = TransferJob(job_id, "r", (0,) * blocks, src if kind == "store" else dst, slots)
+                job = TransferJob(job_id, "r", (tuple(src if kind == "store" else dst),), (tuple(slots),))
                 seconds, landed = _run_job(engine, kind, job)
                 ok = ok and landed
                 if rep:

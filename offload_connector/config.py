@@ -12,12 +12,13 @@ from dataclasses import dataclass, fields
 from fractions import Fraction
 from typing import Any, Mapping
 
+from offload_connector.backends import BACKEND_CHOICES
+
 RESERVATION_MODES = ("exact", "vllm")
 ADMISSION_POLICIES = ("fair", "greedy")
-EVICTION_POLICIES = ("lru", "slru", "arc")  # or "module.path:ClassName" (scheduler/eviction.py)
-DEFERRAL_FALLBACKS = ("recompute",)
+EVICTION_POLICIES = ("lru", "slru", "arc")  # or "module.path:ClassName" (scheduler/eviction/)
 # Worker copy backends (offload_connector.kernels): "auto" calibrates on CUDA and uses the torch reference on CPU.
-TRANSFER_BACKENDS = ("auto", "reference", "kernel", "batch", "per_page", "host")
+TRANSFER_BACKENDS = BACKEND_CHOICES
 
 
 class ConfigError(ValueError):
@@ -43,7 +44,7 @@ class OffloadConfig:
     # full block of every prompt, every boundary after it, prefixes found shared with an earlier request, and every
     # this-many tokens inside a prompt (rounded down to a multiple of every group's block size; 0: no checkpoints).
     window_checkpoint_tokens: int = 8192
-    # Which idle CPU-tier entry a store evicts (scheduler/eviction.py): "lru"; "slru" (segmented LRU: entries that
+    # Which idle CPU-tier entry a store evicts (scheduler/eviction/): "lru"; "slru" (segmented LRU: entries that
     # served a load go after every entry that never did, at most 30 % of the slots kept that way); "arc" (Adaptive
     # Replacement Cache: recency list, list of reused entries, ghost lists moving the target between them); or a
     # policy class named "module.path:ClassName", imported and checked at start-up. "slru" by default: against the
@@ -53,7 +54,6 @@ class OffloadConfig:
     # "fair" admission a deferred load waits only for requests already running or admitted, so this is a last resort;
     # under "greedy" it is what stops a stream of newer requests from starving it.
     max_deferral_steps: int = 10_000
-    deferral_fallback: str = "recompute"
     # Loads shorter than this are not worth a transfer; the tokens are recomputed.
     min_load_tokens: int = 1
     # The stall watchdog fires after this many consecutive steps that schedule no token while requests wait and no
@@ -113,9 +113,6 @@ class OffloadConfig:
                 values["eviction"] = check_policy_spec(extra.pop("eviction"))
             except ValueError as exc:
                 raise ConfigError(f"kv_connector_extra_config: 'eviction' {exc}") from None
-        if "deferral_fallback" in extra:
-            values["deferral_fallback"] = _choice("deferral_fallback", extra.pop("deferral_fallback"),
-                                                  DEFERRAL_FALLBACKS)
         if "max_deferral_steps" in extra:
             values["max_deferral_steps"] = _positive_int("max_deferral_steps", extra.pop("max_deferral_steps"))
         if "min_load_tokens" in extra:

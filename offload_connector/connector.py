@@ -21,7 +21,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     SupportsHMA,
 )
 
-from offload_connector import metrics
+from offload_connector import metrics, metrics_prom
 from offload_connector.config import OffloadConfig, check_at_startup
 from offload_connector.metadata import OffloadMetadata
 
@@ -192,4 +192,4 @@ class OffloadConnector(KVConnectorBase_V1, SupportsHMA):
     @classmethod
     def build_prom_metrics(cls, vllm_config: Any, metric_types: dict[type, type], labelnames: list[str],
                            per_engine_labelvalues: dict[int, list[object]]) -> Any:
-        return metrics.build_prom_metrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)
+        return metrics_prom.build_prom_metrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)

@@ -99,6 +99,18 @@ def group_block_bytes(group: Any, kv_cache_config: Any) -> int:
     return nbytes
 
 
+def tier_slots(cpu_bytes: int, kv_cache_config: Any) -> tuple[int, int]:
+    """(slots, bytes per slot) of the CPU tier. Slots are uniform pages of the largest group block, so a slot id means
+    the same bytes to the scheduler side (which hands slot ids out) and to every worker (which copies into them);
+    both sides size the tier with this one function."""
+    slot_bytes = max(group_block_bytes(group, kv_cache_config) for group in kv_cache_config.kv_cache_groups)
+    slots = cpu_bytes // slot_bytes
+    if slots < 1:
+        raise ValueError(f"kv_connector_extra_config: 'cpu_bytes' ({cpu_bytes}) is smaller than one host block "
+                         f"({slot_bytes} bytes for this model); give the CPU tier at least that much")
+    return slots, slot_bytes
+
+
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 

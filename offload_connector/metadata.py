@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Sequence
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
@@ -12,20 +13,50 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import (
 
 @dataclass(frozen=True)
 class TransferJob:
-    """Copy `gpu_blocks[i]` of KV cache group `groups[i]` to or from host slot `host_slots[i]`."""
+    """Per KV cache group g (one entry per group of the model, empty where the job moves nothing): copy
+    `group_gpu_blocks[g][i]` to or from host slot `group_host_slots[g][i]`.
+
+    Per group because that is how the copier takes them (a group is a set of KV tensors with one block id space);
+    the flat views below are for bookkeeping that does not care which group a block is in."""
     job_id: int
     request_id: str
-    groups: tuple[int, ...]
-    gpu_blocks: tuple[int, ...]
-    host_slots: tuple[int, ...]
+    group_gpu_blocks: tuple[tuple[int, ...], ...]
+    group_host_slots: tuple[tuple[int, ...], ...]
 
     def __post_init__(self) -> None:
-        if not (len(self.groups) == len(self.gpu_blocks) == len(self.host_slots)):
-            raise ValueError("a transfer job's groups, gpu_blocks and host_slots must have the same length")
+        if len(self.group_gpu_blocks) != len(self.group_host_slots) or any(
+                len(b) != len(s) for b, s in zip(self.group_gpu_blocks, self.group_host_slots)):
+            raise ValueError("a transfer job needs one host slot per GPU block in every group")
+
+    @classmethod
+    def from_columns(cls, job_id: int, request_id: str, num_groups: int, groups: Sequence[int],
+                     gpu_blocks: Sequence[int], host_slots: Sequence[int]) -> "TransferJob":
+        """From per-block columns (group, GPU block id, host slot), keeping each group's blocks in column order."""
+        gpu: list[list[int]] = [[] for _ in range(num_groups)]
+        slots: list[list[int]] = [[] for _ in range(num_groups)]
+        for g, block, slot in zip(groups, gpu_blocks, host_slots, strict=True):
+            gpu[g].append(block)
+            slots[g].append(slot)
+        return cls(job_id, request_id, tuple(map(tuple, gpu)), tuple(map(tuple, slots)))
 
     @property
     def num_blocks(self) -> int:
-        return len(self.gpu_blocks)
+        return sum(map(len, self.group_gpu_blocks))
+
+    @property
+    def groups(self) -> tuple[int, ...]:
+        """The group of each block of the flat views."""
+        return tuple(g for g, blocks in enumerate(self.group_gpu_blocks) for _ in blocks)
+
+    @property
+    def gpu_blocks(self) -> tuple[int, ...]:
+        """Every GPU block id, group by group."""
+        return tuple(b for blocks in self.group_gpu_blocks for b in blocks)
+
+    @property
+    def host_slots(self) -> tuple[int, ...]:
+        """Every host slot, in the order of `gpu_blocks`."""
+        return tuple(s for slots in self.group_host_slots for s in slots)
 
 
 @dataclass(frozen=True)

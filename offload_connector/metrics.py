@@ -9,7 +9,7 @@ How the numbers travel (identical in vLLM 0.32 and 0.33):
 3. `Scheduler.make_stats` ships `stats.to_dict()` (plain data, msgpack-encoded) in `SchedulerStats` to the frontend.
 4. There `KVConnectorLogging` rebuilds it with the connector class's `build_kv_connector_stats(data)`, aggregates
    the steps of one log interval and logs `reduce()`; `KVConnectorProm` hands every step's dict to the object that
-   `build_prom_metrics(...)` returned (`OffloadPromMetrics.observe`), which feeds `/metrics`.
+   `build_prom_metrics(...)` (in `metrics_prom`) returned (`OffloadPromMetrics.observe`), which feeds `/metrics`.
 
 Every payload is a delta since the previous one (`OffloadStatsSink.take()` swaps in a fresh object), so Prometheus
 counters add payloads and gauges take the latest value.
@@ -300,12 +300,3 @@ def counts_blocks_here() -> bool:
 def build_kv_connector_stats(data: dict[str, Any] | None = None) -> OffloadStats:
     """Body of `OffloadConnector.build_kv_connector_stats(cls, data=None)` (same signature in vLLM 0.32 and 0.33)."""
     return OffloadStats(data=data or {})
-
-
-def build_prom_metrics(vllm_config: Any, metric_types: dict[type, type], labelnames: list[str],
-                       per_engine_labelvalues: dict[int, list[object]]) -> Any:
-    """Body of `OffloadConnector.build_prom_metrics(cls, vllm_config, metric_types, labelnames,
-    per_engine_labelvalues)` (same signature in vLLM 0.32 and 0.33). Returns an `OffloadPromMetrics`."""
-    # Imported here because metrics_prom imports this module's payload keys.
-    from offload_connector.metrics_prom import OffloadPromMetrics
-    return OffloadPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)

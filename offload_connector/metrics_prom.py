@@ -117,3 +117,10 @@ class OffloadPromMetrics(KVConnectorPromMetrics):
 def default_metric_types() -> dict[type, type]:
     """The `metric_types` vLLM's `KVConnectorProm` passes outside Ray."""
     return {Gauge: Gauge, Counter: Counter, Histogram: Histogram}
+
+
+def build_prom_metrics(vllm_config: Any, metric_types: dict[type, type], labelnames: list[str],
+                       per_engine_labelvalues: dict[int, list[object]]) -> OffloadPromMetrics:
+    """Body of `OffloadConnector.build_prom_metrics(cls, vllm_config, metric_types, labelnames,
+    per_engine_labelvalues)` (same signature in vLLM 0.32 and 0.33)."""
+    return OffloadPromMetrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)

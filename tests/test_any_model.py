@@ -1,7 +1,7 @@
 """Any `config.json` vLLM can build a KV cache layout for replays: the per-layer specs come from vLLM's own model code
 (the model class built on the meta device, each attention layer asked for its spec), the groups from vLLM's planner.
 
-Public Hugging Face configs of other families (bundled under offload_connector/sim/models/) must derive the groups
+Public Hugging Face configs of other families (bundled under benchmarks/offload_bench/sim/models/) must derive the groups
 vLLM builds for them: full attention, sliding window, chunked local attention, MLA, KV sharing. Models whose caches
 the replay cannot lay out (Mamba hybrids) are refused with one line naming the architecture, exit status 2 from the
 command line. The built-in models' layouts are pinned against the former hand tables in test_layouts.py.
@@ -15,7 +15,7 @@ from pathlib import Path
 
 import pytest
 
-from offload_connector.sim import layouts as L
+from offload_bench.sim import layouts as L
 from tests import test_layouts as TL
 
 BLOCKS = 8192
@@ -190,7 +190,7 @@ def test_check_model_accepts_every_bundled_model() -> None:
 
 
 def test_cli_refuses_a_mamba_hybrid_in_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    from offload_connector.cli import main
+    from offload_bench.cli import main
 
     d = _config_dir(tmp_path, "JambaForCausalLM", _HYBRIDS["JambaForCausalLM"])
     rc = main(["replay", "--model", str(d), "--trace", "agent-tool-prefix", "--limit", "4", "--no-progress"])
@@ -202,7 +202,7 @@ def test_cli_refuses_a_mamba_hybrid_in_one_line(tmp_path: Path, capsys: pytest.C
 @needs_torchvision
 def test_cli_replays_a_model_from_its_config_path(tmp_path: Path) -> None:
     """A public config.json given by path (not a built-in name) replays end to end."""
-    from offload_connector.cli import main
+    from offload_bench.cli import main
 
     js = tmp_path / "out.json"
     cfg = Path(L.model_dir("llama-4-scout")) / "config.json"

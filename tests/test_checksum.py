@@ -143,12 +143,12 @@ def test_cuda_transfer_engine_verifies_loads_in_stream_order():
     table = SlotChecksums(BlockChecksummer(dev, [[0, 1]], [0, page]), 16)
     engine = TransferEngine(ReferenceCopier(dev, host, [[0, 1]]), 1, [2 * page], torch.device("cuda"),
                             checksums=table)
-    engine.submit_store(TransferJob(1, "a", (0, 0), (3, 4), (0, 1)))
+    engine.submit_store(TransferJob(1, "a", ((3, 4),), ((0, 1),)))
     assert [r.ok for r in engine.drain()] == [True]
-    engine.submit_load(TransferJob(2, "b", (0, 0), (10, 11), (0, 1)))
+    engine.submit_load(TransferJob(2, "b", ((10, 11),), ((0, 1),)))
     assert [r.ok for r in engine.drain()] == [True]
     assert all(torch.equal(d[10], d[3]) and torch.equal(d[11], d[4]) for d in dev)
     tier.tensor[1, 5] ^= 1
-    engine.submit_load(TransferJob(3, "c", (0,), (12,), (1,)))
+    engine.submit_load(TransferJob(3, "c", ((12,),), ((1,),)))
     (result,) = engine.drain()
     assert not result.ok and result.verify_failed

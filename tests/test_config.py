@@ -24,6 +24,8 @@ def test_defaults_and_suffixes():
     ({"cpu_bytes": 10, "eviction": "mru"}, "'eviction' must be one of ['lru', 'slru', 'arc'] or \"module.path:"),
     ({"cpu_bytes": 10, "max_deferral_steps": 0}, "'max_deferral_steps' must be a positive integer"),
     ({"cpu_bytes": 10, "cpu_bytes_to_use": 5}, "unknown key(s) ['cpu_bytes_to_use']"),
+    # A key with one possible value that nothing read; a deferral that ages out is always recomputed.
+    ({"cpu_bytes": 10, "deferral_fallback": "recompute"}, "unknown key(s) ['deferral_fallback']"),
     ({"cpu_bytes": 10, "transfer_backend": "dma"},
      "'transfer_backend' must be one of ['auto', 'reference', 'kernel', 'batch', 'per_page', 'host']"),
     ({"cpu_bytes": 10, "debug_corrupt_load": "yes"}, "'debug_corrupt_load' must be true or false"),
@@ -270,7 +272,7 @@ def test_vllm_config_construction_reaches_the_cudagraph_hook(monkeypatch):
     from vllm.config import VllmConfig
     from vllm.config.compilation import CUDAGraphMode
 
-    from offload_connector.sim.layouts import model_dir
+    from offload_bench.sim.layouts import model_dir
 
     monkeypatch.setattr(type(vllm.platforms.current_platform), "support_static_graph_mode",
                         classmethod(lambda cls: True))

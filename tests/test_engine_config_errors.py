@@ -98,7 +98,7 @@ def _check_stopped_early(rc: int, lines: list[tuple[float, str]], needle: str) -
 
 @pytest.fixture(scope="module")
 def model_dir() -> str:
-    from offload_connector.sim.tiny_models import tiny_gemma4
+    from offload_bench.sim.tiny_models import tiny_gemma4
     return str(tiny_gemma4())
 
 

@@ -42,7 +42,7 @@ EXT_HITS = "vllm:external_prefix_cache_hits_total"
 
 
 def _prompt(seed: int, n: int) -> list[int]:
-    from offload_connector.sim.tiny_models import first_word_id, load_config
+    from offload_bench.sim.tiny_models import first_word_id, load_config
     rs = random.Random(seed)
     lo, hi = first_word_id(), load_config()["vocab_size"]
     return [2] + [rs.randrange(lo, hi) for _ in range(n - 1)]  # <bos> + plain words
@@ -113,7 +113,7 @@ def hashes(events: list[dict[str, Any]]) -> set[tuple[int, Any]]:
 
 @pytest.fixture(scope="module")
 def model_dir() -> str:
-    from offload_connector.sim.tiny_models import tiny_gemma4
+    from offload_bench.sim.tiny_models import tiny_gemma4
     return str(tiny_gemma4())
 
 

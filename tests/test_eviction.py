@@ -290,7 +290,7 @@ def test_random_operations_keep_the_policy_in_step_with_the_index(policy):
             job, _ = storing.pop(rng.randrange(len(storing)))
             tier.finish_store(job, ok=rng.random() > 0.15)
         elif op == 4:
-            ready = [k for k in list(tier._entries) if tier.is_ready(k)]
+            ready = [k for k in list(tier.view().entries) if tier.is_ready(k)]
             if ready:
                 job = rng.sample(ready, rng.randint(1, min(4, len(ready))))
                 loading.append((job, tier.pin(job)))
@@ -301,7 +301,7 @@ def test_random_operations_keep_the_policy_in_step_with_the_index(policy):
             if rng.random() < 0.1:
                 tier.drop(job)
         elif op == 6:
-            tier.touch([k for k in list(tier._entries)[:3]])
+            tier.touch([k for k in list(tier.view().entries)[:3]])
         elif op == 7 and rng.random() < 0.02:
             tier.clear()  # the jobs in flight finish after the reset: they release their retired slots
             for _, slots in storing + loading:
@@ -309,7 +309,7 @@ def test_random_operations_keep_the_policy_in_step_with_the_index(policy):
             storing.clear()
             loading.clear()
             assert tier.stats().retired_slots == 0
-        idle = {k for k, e in tier._entries.items() if e.ready and e.pins == 0}
+        idle = {k for k, e in tier.view().entries.items() if e.ready and e.pins == 0}
         listed = tier.evictable_keys()
         assert len(listed) == len(set(listed)) and set(listed) == idle
         assert all(tier.is_evictable(k) for k in idle)

@@ -10,9 +10,9 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-import offload_connector.sim.fuzz as fuzz
-import offload_connector.sim.scenarios as scenarios
-from offload_connector.sim.faults import LifecycleOutcome, build_case_driver, random_case, run_lifecycle
+import offload_bench.sim.fuzz as fuzz
+import offload_bench.sim.scenarios as scenarios
+from offload_bench.sim.faults import LifecycleOutcome, build_case_driver, random_case, run_lifecycle
 
 # The built-in policies and two named by module path, as a user would write them: the segmented LRU with another
 # share counting re-offered blocks as reuse, and ARC as originally published (ghost hits into T2) from a half target.

@@ -19,11 +19,12 @@ from __future__ import annotations
 
 import pytest
 
-from offload_connector.sim.custom import build_custom
-from offload_connector.sim.driver import SchedulerDriver
-from offload_connector.sim.faults import FaultyTagCopyEngine, assert_ok, drain, status, step_invariants, step_until
-from offload_connector.sim.requests import make_request, tokens
-from offload_connector.sim.scenarios import connector_config
+from offload_bench.sim.custom import build_custom
+from offload_bench.sim.driver import SchedulerDriver
+from offload_bench.sim.faults import assert_ok, drain, status, step_invariants, step_until
+from offload_bench.sim.requests import make_request, tokens
+from offload_bench.sim.scenarios import connector_config
+from offload_bench.sim.tagcopy import TagCopier
 
 PREFIX = 320  # 20 blocks of 16 tokens, stored by a warm-up request
 NEW = 320  # each loading request's own tokens: 640-token prompts, 40 blocks (41 through the first decode step)
@@ -34,7 +35,7 @@ def rig(groups, num_blocks: int) -> tuple[SchedulerDriver, int]:
     kvt.kv_load_failure_policy = "recompute"
     sched, hbs = build_custom(groups, num_blocks=num_blocks, max_num_batched_tokens=1024, max_model_len=2048,
                               kv_transfer_config=kvt)
-    engine = FaultyTagCopyEngine(fail_load=lambda job: job.request_id == "a")
+    engine = TagCopier(fail_load=lambda job: job.request_id == "a")
     return SchedulerDriver(sched, engine, batch_depth=1), hbs
 
 
@@ -59,14 +60,14 @@ def test_failed_load_ahead_of_a_landed_load_does_not_stall(groups, num_blocks):
 
     drv.engine.hold_loads = True  # both loads stay in flight until released one by one
     drv.add([make_request("a", prefix + tokens(3, NEW), 4, hbs)])
-    step_until(drv, lambda d: "a" in d.side._loads, max_steps=5)
+    step_until(drv, lambda d: "a" in d.side.view().loads, max_steps=5)
     drv.add([make_request("b", prefix + tokens(4, NEW), 4, hbs)])
-    step_until(drv, lambda d: "b" in d.side._loads, max_steps=5)
+    step_until(drv, lambda d: "b" in d.side.view().loads, max_steps=5)
     assert [r.request_id for r in drv.sched.kv_holding_waiting] == ["a", "b"]
 
     # a's load fails while b's, of the same prefix, still pins the tier entries: the prefix stays readable.
     _release(drv, "a")
-    step_until(drv, lambda d: "a" not in d.side._loads, max_steps=5)
+    step_until(drv, lambda d: "a" not in d.side.view().loads, max_steps=5)
     assert drv.side.counters.load_failures == 1
     for _ in range(3):
         drv.step()

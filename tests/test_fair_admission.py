@@ -9,10 +9,11 @@ admission every block that frees up goes to the small requests behind it and the
 
 import pytest
 
-from offload_connector.sim.custom import build_custom
-from offload_connector.sim.driver import SchedulerDriver, TagCopyEngine
-from offload_connector.sim.requests import make_request, tokens
-from offload_connector.sim.scenarios import connector_config
+from offload_bench.sim.custom import build_custom
+from offload_bench.sim.driver import SchedulerDriver
+from offload_bench.sim.requests import make_request, tokens
+from offload_bench.sim.scenarios import connector_config
+from offload_bench.sim.tagcopy import TagCopier
 
 GROUPS = (("full", 16, 0), ("sliding", 16, 128))
 PREFIX = 4000
@@ -22,7 +23,7 @@ def _scene(policy: str, **extra) -> tuple[SchedulerDriver, dict]:
     sched, hbs = build_custom(GROUPS, num_blocks=600, max_num_batched_tokens=512, max_model_len=8192,
                               kv_transfer_config=connector_config("exact", 1 << 32, admission_policy=policy,
                                                                   **extra))
-    drv = SchedulerDriver(sched, TagCopyEngine(1))
+    drv = SchedulerDriver(sched, TagCopier(1))
     prefix = tokens(1, PREFIX)
     drv.add([make_request("warm", prefix, 1, hbs)])
     assert not drv.run().stalled

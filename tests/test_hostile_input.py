@@ -102,12 +102,12 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 
 
 def _sub(*argv: str) -> list[str]:
-    return [sys.executable, "-m", "offload_connector", *argv]
+    return [sys.executable, "-m", "offload_bench", *argv]
 
 
 def _blocked(module: str, *argv: str) -> list[str]:
     """The CLI with `module` unimportable (as if not installed)."""
-    code = (f"import sys; sys.modules[{module!r}] = None; from offload_connector.cli import main; "
+    code = (f"import sys; sys.modules[{module!r}] = None; from offload_bench.cli import main; "
             "sys.exit(main(sys.argv[1:]))")
     return [sys.executable, "-c", code, *argv]
 
@@ -350,9 +350,9 @@ def test_bad_argument_is_one_line_and_exit_2(case: str, argv: list[str], needle:
 # ------------------------------------------------------------------------------------------ positive, no vLLM
 def test_boundary_values_are_accepted(monkeypatch: pytest.MonkeyPatch) -> None:
     """The extremes of every range parse (the run itself is stubbed out)."""
-    import offload_connector.replay.command as rc
-    import offload_connector.soak.command as sc
-    from offload_connector.cli import main
+    import offload_bench.replay.command as rc
+    import offload_bench.soak.command as sc
+    from offload_bench.cli import main
 
     seen: list[Any] = []
     monkeypatch.setattr(rc, "run", lambda args: seen.append(args) or 0)
@@ -382,7 +382,7 @@ def test_boundary_values_are_accepted(monkeypatch: pytest.MonkeyPatch) -> None:
 
 @pytest.mark.parametrize("argv", [["--help"], ["replay", "--help"], ["soak", "--help"], ["stall-demo", "--help"]])
 def test_help_still_works(argv: list[str], capsys: pytest.CaptureFixture[str]) -> None:
-    from offload_connector.cli import main
+    from offload_bench.cli import main
 
     with pytest.raises(SystemExit) as exc:
         main(argv)
@@ -393,8 +393,8 @@ def test_pre_run_checks_accept_what_the_run_can_do(tmp_path: Path) -> None:
     """Writable outputs, an existing output file (kept as it was), a config.json model and a valid trace pass."""
     import argparse
 
-    from offload_connector.replay import command as rc
-    from offload_connector.replay.trace import load_trace
+    from offload_bench.replay import command as rc
+    from offload_bench.replay.trace import load_trace
 
     keep = tmp_path / "old.json"
     keep.write_text("{}")
@@ -403,7 +403,7 @@ def test_pre_run_checks_accept_what_the_run_can_do(tmp_path: Path) -> None:
     assert keep.read_text() == "{}" and not (tmp_path / "new.json").exists()  # the probe file is removed
     rc.check_output_path("--json", os.devnull)
     rc.check_model("gemma-4-31b")
-    rc.check_model(str(ROOT / "offload_connector" / "sim" / "models" / "tiny-llama" / "config.json"))
+    rc.check_model(str(ROOT / "benchmarks" / "offload_bench" / "sim" / "models" / "tiny-llama" / "config.json"))
     assert rc.parse_connectors(" offload , none ") == ("offload", "none")
     rc.check_batch(argparse.Namespace(max_num_batched_tokens=64, max_num_seqs=64))
     gz = tmp_path / "t.jsonl.gz"
@@ -416,9 +416,9 @@ def test_pre_run_checks_accept_what_the_run_can_do(tmp_path: Path) -> None:
 # --------------------------------------------------------------------------------------------- needs vLLM
 VLLM_SCRIPT = textwrap.dedent("""
     import contextlib, io, json, sys, time, traceback
-    from offload_connector.cli import main
+    from offload_bench.cli import main
     # Loaded first, so that vLLM's and torch's log handlers write to the real stderr, not to a case's capture.
-    import offload_connector.replay.connectors, offload_connector.replay.runner, offload_connector.soak.runner
+    import offload_bench.replay.connectors, offload_bench.replay.runner, offload_bench.soak.runner
     out = []
     for argv in json.loads(sys.argv[1]):
         err = io.StringIO()

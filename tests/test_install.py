@@ -44,3 +44,30 @@ def test_pip_install_into_this_environment_adds_only_the_connector(tmp_path) -> 
     assert done.returncode == 0, done.stderr[-3000:]
     names = sorted(item["metadata"]["name"].lower() for item in json.loads(report.read_text())["install"])
     assert names == ["offload-connector"], names
+
+
+def test_wheel_holds_the_connector_alone(tmp_path) -> None:
+    """The connector's wheel: scheduler side, worker side, kernels (with their CUDA and C sources), config and
+    metrics. The simulation, replay and soak harness are the benchmarks' own distribution (`benchmarks/`)."""
+    import shutil
+
+    # Built from a copy: an in-tree build would leave build/ and *.egg-info in the checkout.
+    src = tmp_path / "src"
+    shutil.copytree(REPO, src, ignore=shutil.ignore_patterns(".venv*", ".git", "build", "*.egg-info", "__pycache__",
+                                                              ".hypothesis"))
+    done = subprocess.run([sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "--quiet",
+                           "-w", str(tmp_path), str(src)], capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-3000:]
+    import zipfile
+
+    (wheel,) = tmp_path.glob("offload_connector-*.whl")
+    names = zipfile.ZipFile(wheel).namelist()
+    code = [n for n in names if not n.startswith("offload_connector-")]
+    assert code and all(n.startswith("offload_connector/") for n in code), code
+    tops = {n.split("/")[1] for n in code if n.count("/") > 1}
+    assert tops == {"kernels", "scheduler", "worker"}, tops
+    assert not [n for n in code if any(part in n.split("/") for part in ("sim", "replay", "soak", "tests"))]
+    assert not [n for n in code if n.endswith(("cli.py", "__main__.py", ".jsonl.gz", "config.json"))]
+    assert "offload_connector/kernels/gather_scatter.cu" in code and "offload_connector/kernels/host_copy.c" in code
+    entry_points = [n for n in names if n.endswith("entry_points.txt")]
+    assert not entry_points, "the connector installs no command; `offload-connector` comes from benchmarks/"

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from offload_connector.sim import layouts as L
+from offload_bench.sim import layouts as L
 from vllm import SamplingParams
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash

@@ -1,8 +1,8 @@
 """Aborts, preemption and failures at every stage of a request's life, through vLLM's real scheduler.
 
-Each test drives `Scheduler` with the tag-copying engine of `sim/faults.py` (held jobs, per-direction latency,
-injected failures), acts at one exact stage, drains, and checks (`faults.drained_invariants`): the GPU pool is back to
-num_blocks - 1 free with every reference count 0; vLLM and the connector's scheduler side hold no request, load,
+Each test drives `Scheduler` and our real worker over the tag-copying backend of `sim/tagcopy.py` (held jobs,
+per-direction latency, injected failures), acts at one exact stage, drains, and checks (`faults.drained_invariants`):
+the GPU pool is back to num_blocks - 1 free with every reference count 0; vLLM and the connector's scheduler side hold no request, load,
 orphaned load, store job, block reader or delayed free; the CPU tier has no pinned and no unpublished entry, its host
 slots add up, and every readable entry's host slot holds its own tokens' tag (nothing failed or half-written is ever
 published). At every step `faults.step_invariants` checks that each tier pin is explained by an in-flight job. Then
@@ -15,10 +15,9 @@ import zlib
 
 import pytest
 
-from offload_connector.sim.custom import build_custom
-from offload_connector.sim.driver import SchedulerDriver
-from offload_connector.sim.faults import (
-    FaultyTagCopyEngine,
+from offload_bench.sim.custom import build_custom
+from offload_bench.sim.driver import SchedulerDriver
+from offload_bench.sim.faults import (
     abort,
     assert_ok,
     drain,
@@ -30,8 +29,9 @@ from offload_connector.sim.faults import (
     step_invariants,
     step_until,
 )
-from offload_connector.sim.requests import make_request, tokens
-from offload_connector.sim.scenarios import connector_config
+from offload_bench.sim.requests import make_request, tokens
+from offload_bench.sim.scenarios import connector_config
+from offload_bench.sim.tagcopy import TagCopier
 
 GROUPS = (("full", 16, 0), ("sliding", 16, 64))
 SLOT_BYTES = 4096  # one block of either group: 2 x 16 tokens x 1 head x 64 x bf16
@@ -40,11 +40,11 @@ PREFIX = 320  # tokens of the stored prefix (20 full-attention blocks, a 4-block
 
 def rig(*, num_blocks: int = 160, cpu_slots: int = 4096, batch: int = 64, depth: int | None = None, **engine):
     """vLLM's Scheduler over a full-attention + sliding-window layout; `depth` 2 is EngineCore's async batch queue
-    (the default for this async-scheduling config), 1 a synchronous engine. `engine`: FaultyTagCopyEngine knobs."""
+    (the default for this async-scheduling config), 1 a synchronous engine. `engine`: TagCopier knobs."""
     kvt = connector_config("exact", cpu_slots * SLOT_BYTES)
     sched, hbs = build_custom(GROUPS, num_blocks=num_blocks, max_num_batched_tokens=batch, max_model_len=2048,
                               kv_transfer_config=kvt)
-    drv = SchedulerDriver(sched, FaultyTagCopyEngine(**engine), batch_depth=depth)
+    drv = SchedulerDriver(sched, TagCopier(**engine), batch_depth=depth)
     assert drv.side.slot_bytes == SLOT_BYTES
     return drv, hbs
 
@@ -71,7 +71,7 @@ def reload_ok(drv, hbs, prefix, rid, at_least=None):
 
 
 def in_load(rid):
-    return lambda d: status(d, rid) == "WAITING_FOR_REMOTE_KVS" and rid in d.side._loads
+    return lambda d: status(d, rid) == "WAITING_FOR_REMOTE_KVS" and rid in d.side.view().loads
 
 
 # --------------------------------------------------------------------------- (a) lookup deferred
@@ -85,12 +85,12 @@ def test_abort_while_lookup_is_deferred(depth):
     drv.step()
     drv.step()
     drv.add([make_request("r", prefix + tokens(3, 40), 4, hbs)])
-    step_until(drv, lambda d: d.side._requests["r"].deferred_since is not None, max_steps=20)
-    assert status(drv, "r") == "WAITING" and "r" not in drv.side._loads
+    step_until(drv, lambda d: d.side.view().requests["r"].deferred_since is not None, max_steps=20)
+    assert status(drv, "r") == "WAITING" and "r" not in drv.side.view().loads
     assert drv.side.counters.deferrals > 0
     drv.step()  # deferred once more
     assert abort(drv, "r")
-    assert "r" not in drv.sched.requests and "r" not in drv.side._requests
+    assert "r" not in drv.sched.requests and "r" not in drv.side.view().requests
     drain(drv)
     assert "blocker" in drv.finished
     reload_ok(drv, hbs, prefix, "again")
@@ -107,13 +107,13 @@ def test_abort_while_load_is_in_flight(depth, load_fails):
     step_until(drv, in_load("r"), max_steps=10)
     drv.step()
     drv.step()
-    keys = list(drv.side._loads["r"].keys)
+    keys = list(drv.side.view().loads["r"].keys)
     assert all(drv.side.tier.pin_count(k) == 1 for k in keys)
     free_before = drv.pool.get_num_free_blocks()
     assert abort(drv, "r")
     # vLLM keeps the blocks the copy writes into until the load reports; the tier entries stay pinned meanwhile.
     assert drv.pool.get_num_free_blocks() == free_before
-    assert [o.job.request_id for o in drv.side._orphan_loads.values()] == ["r"]
+    assert [o.job.request_id for o in drv.side.view().orphan_loads.values()] == ["r"]
     assert all(drv.side.tier.pin_count(k) == 1 for k in keys)
     # Other work meanwhile: a cold request computes and stores.
     drv.add([make_request("other", tokens(4, 200), 2, hbs)])
@@ -145,7 +145,7 @@ def test_abort_right_after_load_completes(depth, moment):
     if moment == "landed_not_consumed":
         # vLLM has the completion but has not yet moved the request out of WAITING_FOR_REMOTE_KVS.
         step_until(drv, lambda d: "r" in d.sched.finished_recving_kv_req_ids, max_steps=20)
-        assert status(drv, "r") == "WAITING_FOR_REMOTE_KVS" and "r" not in drv.side._loads
+        assert status(drv, "r") == "WAITING_FOR_REMOTE_KVS" and "r" not in drv.side.view().loads
     else:
         step_until(drv, lambda d: status(d, "r") == "RUNNING", max_steps=20)
         assert drv.sched.requests["r"].num_computed_tokens > PREFIX
@@ -166,14 +166,14 @@ def test_abort_while_stores_are_in_flight(depth, moment):
         step_until(drv, lambda d: len(d.engine.inflight_jobs("store", "s")) >= 2, max_steps=20)
     else:
         step_until(drv, lambda d: d.sched.requests["s"].num_output_tokens >= 1, max_steps=40)
-    stored = [k for job_keys in (v[1] for v in drv.side._store_jobs.values()) for k in job_keys]
+    stored = [k for job_keys in (v.keys for v in drv.side.view().store_jobs.values()) for k in job_keys]
     assert stored and not any(drv.side.tier.is_ready(k) for k in stored)  # in flight: not readable
     assert abort(drv, "s")
     # The connector keeps the aborted request's blocks until its stores have read them.
-    assert "s" in drv.side._awaiting_free and "s" in drv.sched.requests
+    assert "s" in drv.side.view().awaiting_free and "s" in drv.sched.requests
     held = drv.pool.get_num_free_blocks()
     assert held < drv.sched.kv_cache_config.num_blocks - 1
-    stored = [k for job_keys in (v[1] for v in drv.side._store_jobs.values()) for k in job_keys]
+    stored = [k for job_keys in (v.keys for v in drv.side.view().store_jobs.values()) for k in job_keys]
     for _ in range(3):
         drv.step()
         assert_ok(step_invariants(drv))
@@ -188,7 +188,7 @@ def test_abort_while_stores_are_in_flight(depth, moment):
         # Aborted mid-prefill: the full-attention blocks are kept, but no window was stored, so this hybrid layout
         # cannot resume there; a later request recomputes and stores the prompt, and the one after loads it.
         assert drv.sched.reset_prefix_cache()
-        assert drv.side._hit(make_request("probe", prompt + [1], 1, hbs), 400) == 0
+        assert drv.side.admission.hit(make_request("probe", prompt + [1], 1, hbs), 400) == 0
         drv.add([make_request("s2", prompt, 1, hbs)])
         drain(drv)
         reload_ok(drv, hbs, prompt, "again", at_least=400)
@@ -217,7 +217,7 @@ def test_failed_stores_never_publish(which, record_store_keys):
     assert not any(k in ready for k in failed_keys)
     assert drv.sched.reset_prefix_cache()
     probe = make_request("probe", prompt + [7], 1, hbs)
-    hit = drv.side._hit(probe, len(prompt))
+    hit = drv.side.admission.hit(probe, len(prompt))
     # Nothing after the failed job can be resumed from (and before it no sliding window was stored).
     assert hit == 0
     if which == "all":
@@ -240,18 +240,16 @@ def _job_keys(drv, job):
 
 @pytest.fixture
 def record_store_keys(monkeypatch):
-    from offload_connector.scheduler.core import OffloadScheduler
+    from offload_connector.scheduler.jobs import JobBook
 
     _KEYS.clear()
-    original = OffloadScheduler._plan_stores
+    original = JobBook.add_store
 
-    def planning(self, state, computed, block_ids):
-        before = set(self._store_jobs)
-        original(self, state, computed, block_ids)
-        for job_id in set(self._store_jobs) - before:
-            _KEYS[job_id] = list(self._store_jobs[job_id][1])
+    def adding(self, job, keys, events):
+        _KEYS[job.job_id] = list(keys)
+        original(self, job, keys, events)
 
-    monkeypatch.setattr(OffloadScheduler, "_plan_stores", planning)
+    monkeypatch.setattr(JobBook, "add_store", adding)
 
 
 # ----------------------------------------------------------------------------- (e) decode
@@ -280,7 +278,7 @@ def _record_preemptions(drv):
     original = drv.sched._preempt_request
 
     def preempting(request, *args, **kwargs):
-        state = drv.side._requests.get(request.request_id)
+        state = drv.side.view().requests.get(request.request_id)
         seen.append((request.request_id, set(state.pending_stores) if state else set()))
         return original(request, *args, **kwargs)
 
@@ -332,7 +330,7 @@ def test_preempted_with_stores_in_flight_then_reloaded_then_aborted_mid_load(dep
     assert drv.sched.reset_prefix_cache()  # only the CPU tier has r's prefix now: it comes back through a load
     drv.engine.hold_loads = True
     step_until(drv, in_load("r"), max_steps=20)
-    assert {j.job_id for j in held} <= drv.side._requests["r"].pending_stores
+    assert {j.job_id for j in held} <= drv.side.view().requests["r"].pending_stores
     assert abort(drv, "r")
     drv.engine.release(drv.step_no)
     drain(drv)
@@ -389,7 +387,7 @@ def test_full_tier_rejects_or_evicts_idle_entries_never_pinned_ones():
     drv.engine.hold_loads = True
     drv.add([make_request("r", prefix + tokens(3, 40), 3, hbs)])
     step_until(drv, in_load("r"), max_steps=10)
-    pinned = list(drv.side._loads["r"].keys)
+    pinned = list(drv.side.view().loads["r"].keys)
     assert len(pinned) == 24
     # Many requests compute and try to store while the load holds 24 of the 30 slots.
     drv.add([make_request(f"c{i}", tokens(40 + i, 200), 2, hbs) for i in range(8)])

@@ -12,7 +12,7 @@ from hypothesis import strategies as st
 
 import random
 
-from offload_connector.sim.faults import LAYOUTS, LifecycleCase, LifecycleOutcome, random_case, run_lifecycle
+from offload_bench.sim.faults import LAYOUTS, LifecycleCase, LifecycleOutcome, random_case, run_lifecycle
 
 
 @st.composite

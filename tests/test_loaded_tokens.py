@@ -1,5 +1,5 @@
 """What vLLM's `vllm:external_prefix_cache_hits` counts, against our `vllm:offload_connector_loaded_tokens`, through
-vLLM's real scheduler (both vLLM versions) with the tag-copying engine of sim/faults.py.
+vLLM's real scheduler (both vLLM versions) and our real worker over the tag-copying backend of sim/tagcopy.py.
 
 vLLM records a connector hit in `Scheduler.schedule()` the step it admits the request (right after
 `update_state_after_alloc`): `num_external_computed_tokens`, the tokens the connector granted, before any byte moves
@@ -13,10 +13,11 @@ from __future__ import annotations
 from vllm.config import KVTransferConfig
 from vllm.v1.metrics.stats import PrefixCacheStats
 
-from offload_connector.sim.custom import build_custom
-from offload_connector.sim.driver import SchedulerDriver
-from offload_connector.sim.faults import FaultyTagCopyEngine, drain
-from offload_connector.sim.requests import make_request, tokens
+from offload_bench.sim.custom import build_custom
+from offload_bench.sim.driver import SchedulerDriver
+from offload_bench.sim.faults import drain
+from offload_bench.sim.requests import make_request, tokens
+from offload_bench.sim.tagcopy import TagCopier
 
 GROUPS = (("full", 16, 0), ("sliding", 16, 64))
 SLOT_BYTES = 4096
@@ -31,7 +32,7 @@ def rig(**engine):
                               kv_transfer_config=kvt)
     # What `log_stats` turns on in vLLM (the frontend's external_prefix_cache_* counters come from this object).
     sched.connector_prefix_cache_stats = PrefixCacheStats()
-    drv = SchedulerDriver(sched, FaultyTagCopyEngine(**engine))
+    drv = SchedulerDriver(sched, TagCopier(**engine))
     # vLLM drains the scheduler side's stats every step (update_from_output); keep what we record on the way.
     drv.loaded_tokens = 0
     record = drv.side.stats.record_loaded_tokens

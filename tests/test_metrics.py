@@ -13,8 +13,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from offload_connector import metrics as m
 from offload_connector.connector import OffloadConnector
-from offload_connector.metrics import OffloadStats, OffloadStatsSink, build_kv_connector_stats, build_prom_metrics
-from offload_connector.metrics_prom import METRIC_NAMES, OffloadPromMetrics
+from offload_connector.metrics import OffloadStats, OffloadStatsSink, build_kv_connector_stats
+from offload_connector.metrics_prom import METRIC_NAMES, OffloadPromMetrics, build_prom_metrics
 
 LABELNAMES = ["model_name", "engine"]
 
@@ -336,7 +336,7 @@ def test_prometheus_stat_logger_exports_our_metrics() -> None:
     from vllm.v1.metrics.prometheus import unregister_vllm_metrics
     from vllm.v1.metrics.stats import SchedulerStats
 
-    from offload_connector.sim.layouts import build_vllm_config
+    from offload_bench.sim.layouts import build_vllm_config
 
     vc = build_vllm_config("tiny-llama", max_model_len=512, max_num_batched_tokens=256, num_gpu_blocks=64,
                            kv_transfer_config=_kv_transfer_config("MetricsShimConnector"))
@@ -370,6 +370,13 @@ def test_module_imports_neither_side() -> None:
         names = [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)] + \
                 [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names]
         assert not [n for n in names if n and (".scheduler" in n or ".worker" in n or n.startswith("torch"))]
+    # One direction only: the Prometheus side reads the payload keys, the payload knows nothing of Prometheus.
+    tree = ast.parse(inspect.getsource(m))
+    ours = [n.module for n in ast.walk(tree) if isinstance(n, ast.ImportFrom) and n.module and
+            n.module.startswith("offload_connector")] + \
+           [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names
+            if a.name.startswith("offload_connector")]
+    assert ours == [], ours
 
 
 def test_stall_state_counter_once_and_gauge_while_stalled():

@@ -11,7 +11,7 @@ import pytest
 
 pytest.importorskip("matplotlib", reason="plots need matplotlib (pip install matplotlib)")
 
-from offload_connector.replay import plots  # noqa: E402
+from offload_bench.replay import plots  # noqa: E402
 
 NAMES = ["offload", "offload-vllm-reservation", "vllm-offloading", "vllm-offloading-patched", "none"]
 
@@ -78,9 +78,9 @@ def test_plot_has_the_headline_panels(tmp_path: Path, with_ttfts: bool) -> None:
 
 
 def test_plot_of_a_real_replay(tmp_path: Path) -> None:
-    from offload_connector.replay.runner import ReplayConfig, run_replay
-    from offload_connector.replay.timemodel import time_model_for
-    from offload_connector.replay.workloads import resolve_trace
+    from offload_bench.replay.runner import ReplayConfig, run_replay
+    from offload_bench.replay.timemodel import time_model_for
+    from offload_bench.replay.workloads import resolve_trace
 
     cfg = ReplayConfig(model="gpt-oss-20b", connectors=("offload", "none"), num_gpu_blocks=2304, cpu_bytes=2**31,
                        max_num_batched_tokens=1024, max_model_len=32768, max_num_seqs=64, limit=8,

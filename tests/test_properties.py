@@ -15,7 +15,7 @@ import os
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from offload_connector.sim.fuzz import SPEC_TOKENS, FuzzCase, run_case, spec_methods_for
+from offload_bench.sim.fuzz import SPEC_TOKENS, FuzzCase, run_case, spec_methods_for
 
 KINDS = ["full", "mla", "sliding", "sliding_mla", "chunked"]
 

@@ -51,7 +51,7 @@ def test_quickstart_block_installs_and_serves(tmp_path: Path) -> None:
     # The server command is the block's last command (its JSON spans lines inside single quotes).
     install, serve_line = lines[:serve[0]], " ".join(line.strip() for line in lines[serve[0]:])
 
-    from offload_connector.sim.tiny_models import tiny_gemma4
+    from offload_bench.sim.tiny_models import tiny_gemma4
     model = str(tiny_gemma4())
     home = tmp_path / "home"
     clone = tmp_path / "clone"
@@ -62,7 +62,7 @@ def test_quickstart_block_installs_and_serves(tmp_path: Path) -> None:
     for rel in filter(None, files.decode().split("\0")):
         src = REPO / rel
         (clone / rel).parent.mkdir(parents=True, exist_ok=True)
-        if src.is_symlink():  # offload_connector/kernels -> ../kernels, as a clone has it
+        if src.is_symlink():  # as a clone has it
             os.symlink(os.readlink(src), clone / rel)
         elif src.is_file():
             shutil.copy2(src, clone / rel)

@@ -6,14 +6,13 @@ import json
 
 import pytest
 
-import offload_connector.sim  # noqa: F401  (platform environment before vLLM loads)
-from offload_connector.cli import main
-from offload_connector.replay.command import MODEL_DEFAULTS
-from offload_connector.replay.runner import ReplayConfig, run_replay
-from offload_connector.replay.table import header, render
-from offload_connector.replay.timemodel import time_model_for
-from offload_connector.replay.trace import parse_lines
-from offload_connector.replay.workloads import Workload, gemma4_31b_returning
+from offload_bench.cli import main
+from offload_bench.replay.command import MODEL_DEFAULTS
+from offload_bench.replay.runner import ReplayConfig, run_replay
+from offload_bench.replay.table import header, render
+from offload_bench.replay.timemodel import time_model_for
+from offload_bench.replay.trace import parse_lines
+from offload_bench.replay.workloads import Workload, gemma4_31b_returning
 
 MODEL = "gemma-4-31b"
 
@@ -78,7 +77,7 @@ def test_burst_stalls_vllm_reservation_but_not_ours(tmp_path) -> None:
         assert r.stalled and r.requests_completed < r.requests_total, name
         dump = r.stall_dump
         assert dump is not None and dump["held_by_running"] == 0 and dump["top_holders"]
-    from offload_connector.replay.plots import plot
+    from offload_bench.replay.plots import plot
 
     png = plot(out, tmp_path / "burst.png")
     assert png.stat().st_size > 10_000

@@ -7,9 +7,9 @@ import json
 
 import pytest
 
-from offload_connector.replay.command import MODEL_DEFAULTS, parse_bytes
-from offload_connector.replay.timemodel import SimClock, TimeModel, time_model_for
-from offload_connector.replay.trace import (
+from offload_bench.replay.command import MODEL_DEFAULTS, parse_bytes
+from offload_bench.replay.timemodel import SimClock, TimeModel, time_model_for
+from offload_bench.replay.trace import (
     SAMPLED_TOKEN,
     PromptBuilder,
     TraceError,
@@ -18,7 +18,7 @@ from offload_connector.replay.trace import (
     parse_lines,
     prompt_tokens,
 )
-from offload_connector.replay.workloads import BUILTIN, resolve_trace
+from offload_bench.replay.workloads import BUILTIN, resolve_trace
 
 GENERATED = ["gemma4-31b-returning", "deepseek-v4-flash-1m", "agent-tool-prefix", "rag-shared-docs", "decode-heavy"]
 REUSE = ["agent-tool-prefix", "rag-shared-docs", "decode-heavy"]
@@ -207,7 +207,7 @@ def test_parse_bytes() -> None:
 
 
 def test_plot_thinning_keeps_idle_gaps_and_the_last_point() -> None:
-    from offload_connector.replay.plots import _thin
+    from offload_bench.replay.plots import _thin
 
     t = [i * 0.01 for i in range(10_000)] + [500.0 + i * 0.01 for i in range(10_000)]
     series = {"t": t, "used": [0.5] * len(t)}

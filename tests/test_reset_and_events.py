@@ -1,9 +1,10 @@
 """`reset_cache()` (vLLM's `reset_prefix_cache(reset_connector=True)`) and the CPU tier's KV cache events, through
-vLLM's real scheduler with the tag-copying engine of `sim/faults.py` (the lifecycle rig of tests/test_lifecycle.py).
+vLLM's real scheduler and our real worker over the tag-copying backend `sim/tagcopy.py` (the lifecycle rig of
+tests/test_lifecycle.py).
 
 A reset frees idle entries at once; a copy in flight keeps its slots (retired) until the worker reports it, and
 `faults.step_invariants` checks after every step that each retired slot is explained by exactly the jobs issued
-before the reset and that no entry or free slot shares it. The tag engine checks every loaded block's tag, so a slot
+before the reset and that no entry or free slot shares it. The driver checks every loaded block's tag, so a slot
 reused under a copy would show up as a wrong load. The real-engine counterparts are in tests/test_engine_operations.py.
 """
 
@@ -12,8 +13,8 @@ from __future__ import annotations
 import pytest
 
 from offload_connector.scheduler.events import TierEvents
-from offload_connector.sim.faults import assert_ok, drain, readable_keys, step_invariants, step_until
-from offload_connector.sim.requests import make_request, tokens
+from offload_bench.sim.faults import assert_ok, drain, readable_keys, step_invariants, step_until
+from offload_bench.sim.requests import make_request, tokens
 from tests.test_lifecycle import PREFIX, in_load, reload_ok, rig, warm
 
 
@@ -75,19 +76,19 @@ def test_reset_with_a_load_in_flight_keeps_its_slots_until_it_lands():
     drv.add([make_request("r", prompt, 4, hbs)])
     step_until(drv, in_load("r"), max_steps=10)
     drv.step()
-    load = drv.side._loads["r"]
+    load = drv.side.view().loads["r"]
     assert drv.sched.get_kv_connector().reset_cache() is True
     tier = drv.side.tier
     # The copy still reads its slots: they are retired, not free, and no lookup finds the prefix.
-    assert set(tier._retired) == set(load.job.host_slots) and not readable_keys(drv.side)
+    assert set(tier.view().retired) == set(load.job.host_slots) and not readable_keys(drv.side)
     assert_ok(step_invariants(drv))
     # New stores meanwhile (a cold request) never get a retired slot (step_invariants checks every step).
     drv.add([make_request("other", tokens(4, 300), 2, hbs)])
     for _ in range(12):
         drv.step()
         assert_ok(step_invariants(drv))
-        assert not set(tier._retired) & {e.slot for e in tier._entries.values()}
-    assert set(tier._retired) == set(load.job.host_slots)
+        assert not set(tier.view().retired) & {e.slot for e in tier.view().entries.values()}
+    assert set(tier.view().retired) == set(load.job.host_slots)
     drv.engine.release(drv.step_no)
     drain(drv)  # the load lands (its tags checked), the slots come back, every invariant holds
     assert "r" in drv.finished and tier.stats().retired_slots == 0
@@ -101,10 +102,10 @@ def test_reset_with_stores_in_flight_never_publishes_them(moment):
     prompt = tokens(7, 400)
     drv.add([make_request("s", prompt, 4, hbs)])
     if moment == "finished":  # done, its blocks kept for the stores still reading them
-        step_until(drv, lambda d: "s" in d.side._awaiting_free, max_steps=60)
+        step_until(drv, lambda d: "s" in d.side.view().awaiting_free, max_steps=60)
     else:
         step_until(drv, lambda d: d.sched.requests["s"].num_output_tokens >= 1, max_steps=40)
-    stale = {job_id: list(keys) for job_id, (_rid, keys, _seen) in drv.side._store_jobs.items()}
+    stale = {job_id: list(job.keys) for job_id, job in drv.side.view().store_jobs.items()}
     assert stale
     assert drv.side.reset_cache()
     tier = drv.side.tier
@@ -113,11 +114,11 @@ def test_reset_with_stores_in_flight_never_publishes_them(moment):
     if moment == "running_reset_twice":
         # Still running, it stores the same keys again into fresh slots; a second reset retires those too, while
         # the first reset's jobs keep exactly their own slots.
-        step_until(drv, lambda d: len(d.side._store_jobs) > len(stale), max_steps=20)
+        step_until(drv, lambda d: len(d.side.view().store_jobs) > len(stale), max_steps=20)
         assert any(tier.has(k) for keys in stale.values() for k in keys)
         assert drv.side.reset_cache()
         assert_ok(step_invariants(drv))
-        assert tier.stats().retired_slots == sum(len(keys) for _, keys, _ in drv.side._store_jobs.values())
+        assert tier.stats().retired_slots == sum(len(job.keys) for job in drv.side.view().store_jobs.values())
     drv.engine.release(drv.step_no)
     drain(drv)
     # Stores issued before the reset landed into retired slots and were never published; their slots are free.

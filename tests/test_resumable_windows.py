@@ -7,10 +7,11 @@ Each scenario runs on vLLM's real scheduler (hand-built layout: full attention +
 import pytest
 
 from offload_connector.scheduler.windows import store_points
-from offload_connector.sim.custom import build_custom
-from offload_connector.sim.driver import SchedulerDriver, TagCopyEngine
-from offload_connector.sim.requests import make_request, tokens
-from offload_connector.sim.scenarios import connector_config
+from offload_bench.sim.custom import build_custom
+from offload_bench.sim.driver import SchedulerDriver
+from offload_bench.sim.requests import make_request, tokens
+from offload_bench.sim.scenarios import connector_config
+from offload_bench.sim.tagcopy import TagCopier
 
 GROUPS = (("full", 16, 0), ("sliding", 16, 64))
 
@@ -32,7 +33,7 @@ def test_store_points():
 def _driver(**extra):
     sched, hbs = build_custom(GROUPS, num_blocks=400, max_num_batched_tokens=128, max_model_len=4096,
                               kv_transfer_config=connector_config("exact", 1 << 30, **extra))
-    return SchedulerDriver(sched, TagCopyEngine(1)), hbs
+    return SchedulerDriver(sched, TagCopier(1)), hbs
 
 
 def _serve(drv, rid, prompt, hbs, max_tokens=2):

@@ -2,7 +2,7 @@
 
 import pytest
 
-from offload_connector.sim.scenarios import DEEPSEEK_V4_SEED, GEMMA4_SEED, run_stall_scenario
+from offload_bench.sim.scenarios import DEEPSEEK_V4_SEED, GEMMA4_SEED, run_stall_scenario
 
 
 def check_admissions_exact(result):

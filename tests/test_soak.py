@@ -6,10 +6,10 @@ import json
 
 import pytest
 
-from offload_connector.replay.timemodel import time_model_for
-from offload_connector.soak.command import SOAK_DEFAULTS
-from offload_connector.soak.runner import SoakConfig, render_summary, run_soak
-from offload_connector.soak.workload import soak_records
+from offload_bench.replay.timemodel import time_model_for
+from offload_bench.soak.command import SOAK_DEFAULTS
+from offload_bench.soak.runner import SoakConfig, render_summary, run_soak
+from offload_bench.soak.workload import soak_records
 
 
 def _config(model: str, sim_seconds: float, **kw) -> SoakConfig:
@@ -62,7 +62,7 @@ def test_config_rejects_bad_rates():
 def test_cli_parses_soak(capsys):
     import argparse
 
-    from offload_connector.soak.command import add_parser
+    from offload_bench.soak.command import add_parser
 
     ap = argparse.ArgumentParser()
     add_parser(ap.add_subparsers(dest="cmd"))

@@ -8,10 +8,11 @@ placeholder drafts), EAGLE likewise; the draft model and EAGLE also reserve `num
 
 import pytest
 
-from offload_connector.sim.custom import SPEC_METHODS, build_custom
-from offload_connector.sim.driver import SchedulerDriver, TagCopyEngine
-from offload_connector.sim.requests import make_request, tokens
-from offload_connector.sim.scenarios import connector_config
+from offload_bench.sim.custom import SPEC_METHODS, build_custom
+from offload_bench.sim.driver import SchedulerDriver
+from offload_bench.sim.requests import make_request, tokens
+from offload_bench.sim.scenarios import connector_config
+from offload_bench.sim.tagcopy import TagCopier
 
 METHODS = sorted(SPEC_METHODS)
 LOOKAHEAD = {"ngram": False, "ngram_gpu": False, "draft_model": True, "eagle": True}
@@ -21,7 +22,7 @@ def _driver(groups, *, num_blocks, k, method="ngram", batch=64, seed=0):
     sched, hash_bs = build_custom(groups, num_blocks=num_blocks, max_num_batched_tokens=batch, max_model_len=2048,
                                   kv_transfer_config=connector_config("exact", 1 << 40),
                                   num_speculative_tokens=k, spec_method=method)
-    drv = SchedulerDriver(sched, TagCopyEngine(1), spec_seed=seed)
+    drv = SchedulerDriver(sched, TagCopier(1), spec_seed=seed)
     outputs = []
     schedule = sched.schedule
 
@@ -74,7 +75,7 @@ def test_spec_config_reaches_scheduler_and_ledger(method):
     # The ledger reads the same numbers: its target is the prompt, one decode token, the drafts and the lookahead.
     assert side.num_spec_tokens == 2 and side.num_lookahead_tokens == lookahead
     req = make_request("x", tokens(1, 100), 4, 16)
-    assert side._target_tokens(req) == 100 + 1 + 2 + lookahead
+    assert side.layout.target_tokens(req) == 100 + 1 + 2 + lookahead
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -160,7 +161,7 @@ def test_too_big_with_spec_slots_recomputes_and_completes():
     assert not [a for a in drv.side.admissions if a.request_id == "r"]
     assert counters.too_big == 1  # decided once; the request is not asked about again
     assert counters.loads_admitted == 0 and counters.loaded_tokens == 0
-    assert drv.side._requests.get("r") is None or drv.side._requests["r"].no_load
+    assert drv.side.view().requests.get("r") is None or drv.side.view().requests["r"].no_load
     assert sum(o.num_scheduled_tokens.get("r", 0) for o in outputs) >= 316  # recomputed from scratch
     assert list(ret.output_token_ids) == [7]
 
@@ -170,9 +171,9 @@ def test_async_spec_final_block_is_stored_with_its_tokens():
 
     The finished request's last block is complete only counting the in-flight batch's first row (its last sampled
     token, at the position the worker corrects for rejected drafts); the connector stores it at `request_finished`
-    and a later request loads it. The tag engine must count that row, or the load check reads a stale block.
+    and a later request loads it. The driver's tags must count that row, or the load check reads a stale block.
     """
-    from offload_connector.sim.fuzz import FuzzCase, run_case
+    from offload_bench.sim.fuzz import FuzzCase, run_case
 
     case = FuzzCase(groups=(("full", 32, 0),), max_num_batched_tokens=512, pool_factor=1.5413051861545548,
                     sessions=((2536, 5, 2320, 432), (399, 5, 125, 69), (2012, 4, 2016, 494)),

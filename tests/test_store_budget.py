@@ -4,10 +4,11 @@ from collections import Counter
 
 import pytest
 
-from offload_connector.sim.driver import SchedulerDriver, TagCopyEngine
-from offload_connector.sim.layouts import build_scheduler, build_sim_model, build_vllm_config
-from offload_connector.sim.requests import make_request, tokens
-from offload_connector.sim.scenarios import connector_config
+from offload_bench.sim.driver import SchedulerDriver
+from offload_bench.sim.layouts import build_scheduler, build_sim_model, build_vllm_config
+from offload_bench.sim.requests import make_request, tokens
+from offload_bench.sim.scenarios import connector_config
+from offload_bench.sim.tagcopy import TagCopier
 
 
 @pytest.mark.parametrize("spacing, share", [(0, 1 / 5), (8192, 0.25), (4096, 0.35)])
@@ -19,7 +20,7 @@ def test_gemma4_16k_conversation_host_bytes(spacing, share):
                            kv_transfer_config=connector_config("exact", 64 * 2**30,
                                                                window_checkpoint_tokens=spacing))
     sim = build_sim_model("gemma-4-31b", vllm_config=vc, num_blocks=2188)
-    drv = SchedulerDriver(build_scheduler(sim, vc), TagCopyEngine(1))
+    drv = SchedulerDriver(build_scheduler(sim, vc), TagCopier(1))
     # A 16,384-token conversation: a 16,000-token prompt and 384 generated tokens.
     drv.add([make_request("conv", tokens(5, 16_000), 384, sim.hash_block_size)])
     result = drv.run()
@@ -30,7 +31,7 @@ def test_gemma4_16k_conversation_host_bytes(spacing, share):
     every_block = sum((hashed // g.block_size) * g.block_bytes for g in side.groups)
     assert stats.used_bytes <= every_block * share, (stats.used_bytes, every_block)
     # And the full-attention group is stored whole, so the conversation can come back at its end.
-    assert side._hit(_replay(sim), 16_383) > 16_000
+    assert side.admission.hit(_replay(sim), 16_383) > 16_000
 
 
 def _replay(sim):
@@ -48,7 +49,7 @@ def test_decode_never_re_stores_window_blocks_the_tier_evicted():
     vc = build_vllm_config("gemma-4-31b", max_model_len=32768, max_num_batched_tokens=1024, num_gpu_blocks=2188,
                            kv_transfer_config=connector_config("exact", 400 * slot_bytes))
     sim = build_sim_model("gemma-4-31b", vllm_config=vc, num_blocks=2188)
-    drv = SchedulerDriver(build_scheduler(sim, vc), TagCopyEngine(1))
+    drv = SchedulerDriver(build_scheduler(sim, vc), TagCopier(1))
     side = drv.side
     reservations: Counter = Counter()
     begin = side.tier.begin_store

@@ -16,13 +16,12 @@ from typing import Any
 
 import pytest
 
-import offload_connector.sim  # noqa: F401  (platform environment before vLLM loads)
-from offload_connector.sim.custom import build_custom
-from offload_connector.sim.layouts import build_scheduler, build_sim_model, build_vllm_config
-from offload_connector.sim.requests import make_request, tokens
-from offload_connector.sim.scenarios import GEMMA4_SEED
-from offload_connector.sim.vllm_offloading import VllmOffloadingDriver, VllmOffloadingWorkerSim, offloading_config
-from offload_connector.sim.vllm_patched import apply_admission_fix, is_patched, recycling_managers
+from offload_bench.sim.custom import build_custom
+from offload_bench.sim.layouts import build_scheduler, build_sim_model, build_vllm_config
+from offload_bench.sim.requests import make_request, tokens
+from offload_bench.sim.scenarios import GEMMA4_SEED
+from offload_bench.sim.vllm_offloading import VllmOffloadingDriver, VllmOffloadingWorkerSim, offloading_config
+from offload_bench.sim.vllm_patched import apply_admission_fix, is_patched, recycling_managers
 
 
 # ------------------------------------------------------------------------------------------------ instrumentation

@@ -60,7 +60,7 @@ def make_worker(config, caches, cpu_bytes, **extra):
 def job(job_id, rid, pairs):
     """pairs: (group, gpu_block, host_slot)."""
     g, b, s = zip(*pairs)
-    return TransferJob(job_id, rid, tuple(g), tuple(b), tuple(s))
+    return TransferJob.from_columns(job_id, rid, max(g) + 1, g, b, s)
 
 
 def test_layout_dedupes_aliased_layers_per_group():
@@ -306,3 +306,58 @@ def test_delayed_copy_lands_late_and_a_deadline_reports_it_failed():
     worker.transfer_results()
     assert worker.engine.pending() == 0
     assert worker.take_stats().data["counters"]["load_failures"] == 1
+
+
+def test_injected_copier_and_host_tier_over_meta_caches_allocate_nothing():
+    """The seams the benchmarks' simulation uses: meta-device KV caches, a host tier and a copier built by the
+    caller. The layout is the real one; a copy that lands with `Completion.error` set is reported failed."""
+    from offload_connector.kernels.api import Completion
+
+    config, _, _ = aliased_gemma_like()
+    arena = torch.empty(2 * NUM_BLOCKS * PAGE, dtype=torch.uint8, device="meta")
+    caches = {f"l{3 * r + i}": arena[r * NUM_BLOCKS * PAGE:(r + 1) * NUM_BLOCKS * PAGE].view(NUM_BLOCKS, PAGE)
+              for r in range(2) for i in range(3)}
+    built = {}
+
+    class Landed(Completion):
+        def __init__(self, error):
+            super().__init__(None)
+            self.error = error
+
+    class Copier:
+        name = "fake"
+
+        def __init__(self, device_pages, host_pages, segments):
+            self.calls = []
+            built["copier"], built["pages"], built["segments"] = self, (device_pages, host_pages), segments
+
+        def copy(self, direction, ids, stream=None):
+            self.calls.append(direction)
+            return Landed("boom" if direction == "h2d" else None)
+
+    def tier(num_slots, slot_bytes, pin):
+        built["tier"] = (num_slots, slot_bytes, pin)
+        return type("Tier", (), {"tensor": torch.empty((num_slots, slot_bytes), dtype=torch.uint8, device="meta")})()
+
+    cpu_bytes = 1 << 40  # a terabyte tier: never allocated
+    worker = OffloadWorker(OffloadConfig.from_extra_config({"cpu_bytes": cpu_bytes}), None, config,
+                           copier_factory=lambda backend, d, h, s, *, device: Copier(d, h, s),
+                           host_tier_factory=tier)
+    worker.register_kv_caches(caches)
+    assert worker.backend == "fake" and built["tier"] == (cpu_bytes // (2 * PAGE), 2 * PAGE, False)
+    device_pages, host_pages = built["pages"]
+    assert all(t.device.type == "meta" for t in (*device_pages, *host_pages)) and len(built["segments"]) == 3
+    worker.start(OffloadMetadata(step=1, stores=(job(1, "a", [(0, 5, 3)]),), loads=(job(2, "b", [(2, 7, 9)]),)))
+    assert built["copier"].calls == ["d2h", "h2d"]
+    assert worker.transfer_results() == (set(), {"b"}, {"b"})  # the load landed failed
+    assert worker.worker_meta().stores_done == [1]
+
+
+def test_transfer_job_is_per_group_and_its_flat_views_agree():
+    j = TransferJob.from_columns(7, "r", 3, [2, 0, 2, 0], [11, 5, 12, 6], [1, 2, 3, 4])
+    assert j.group_gpu_blocks == ((5, 6), (), (11, 12)) and j.group_host_slots == ((2, 4), (), (1, 3))
+    assert (j.groups, j.gpu_blocks, j.host_slots, j.num_blocks) == ((0, 0, 2, 2), (5, 6, 11, 12), (2, 4, 1, 3), 4)
+    with pytest.raises(ValueError, match="one host slot per GPU block"):
+        TransferJob(1, "r", ((1, 2),), ((3,),))
+    import pickle
+    assert pickle.loads(pickle.dumps(j)) == j

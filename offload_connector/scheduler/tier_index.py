@@ -7,7 +7,7 @@ worker can address a slot as `slot * slot_bytes` without knowing the group.
 
 Entries move through: stored (pinned, not yet readable) -> ready (readable, evictable when unpinned) -> evicted.
 A load pins ready entries so eviction cannot reuse their slots while the copy runs. Which evictable entry goes first
-is the cache policy's choice (`scheduler/eviction.py`: "lru", "slru", "arc" or a class named by module path); the
+is the cache policy's choice (`scheduler/eviction/`: "lru", "slru", "arc" or a class named by module path); the
 index tells it when an entry is stored, becomes evictable, is pinned, serves a load, is touched, is offered again by
 a store or is dropped, and refuses a victim that is not a readable, unpinned entry.
 
@@ -20,7 +20,8 @@ again in a fresh slot without touching the retired one.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable, Hashable, Iterable, Sequence
+from types import MappingProxyType
+from typing import Callable, Hashable, Iterable, Mapping, Sequence
 
 from offload_connector.scheduler.eviction import EvictionPolicy, make_policy
 
@@ -45,6 +46,25 @@ class TierStats:
     evictions: int
     store_rejections: int
     retired_slots: int = 0  # slots of entries a reset removed while a copy still used them
+
+
+@dataclass(frozen=True)
+class EntryView:
+    slot: int
+    nbytes: int
+    ready: bool
+    pins: int
+
+
+@dataclass(frozen=True)
+class TierView:
+    """A read-only copy of the index, for invariant checks (`TierIndex.view()`)."""
+    capacity_slots: int
+    entries: Mapping[Key, EntryView]
+    free_slots: tuple[int, ...]  # slots handed out once and free again
+    retired: Mapping[int, int]  # slot -> jobs still using it (see `clear`)
+    next_slot: int  # slots handed out so far; the rest were never used
+    used_bytes: int
 
 
 class TierIndex:
@@ -78,6 +98,11 @@ class TierIndex:
     def slot_of(self, key: Key) -> int:
         return self._entries[key].slot
 
+    def keys(self) -> Iterable[Key]:
+        """The key of every entry, readable or still being stored (a live view; do not change the index while
+        iterating)."""
+        return self._entries.keys()
+
     def __len__(self) -> int:
         return len(self._entries)
 
@@ -96,6 +121,14 @@ class TierIndex:
             store_rejections=self.store_rejections,
             retired_slots=len(self._retired),
         )
+
+    def view(self) -> TierView:
+        """A copy of every entry and slot list (walks everything; not for the scheduler's own path)."""
+        return TierView(self.capacity_slots,
+                        MappingProxyType({k: EntryView(e.slot, e.nbytes, e.ready, e.pins)
+                                          for k, e in self._entries.items()}),
+                        tuple(self._free_slots), MappingProxyType(dict(self._retired)), self._next_slot,
+                        self._used_bytes)
 
     def is_evictable(self, key: Key) -> bool:
         return self.policy.is_evictable(key)

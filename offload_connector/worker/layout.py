@@ -100,12 +100,6 @@ def build_layout(kv_caches: Mapping[str, Any], kv_cache_config: Any) -> tuple[KV
     return KVLayout(num_blocks, max(group_bytes), tuple(group_bytes), tuple(pages), tuple(segments)), views
 
 
-def expected_slot_bytes(kv_cache_config: Any) -> int:
-    """The slot size the scheduler side sized the tier with (its per-group block bytes, from the specs)."""
-    from offload_connector.groups import group_block_bytes
-    return max(group_block_bytes(group, kv_cache_config) for group in kv_cache_config.kv_cache_groups)
-
-
 def host_views(tier: torch.Tensor, layout: KVLayout) -> list[torch.Tensor]:
     """Per page of `layout`, the matching (num_slots, page_bytes) view into a block-first host arena."""
     if tier.dim() != 2 or tier.dtype != torch.uint8 or tier.shape[1] < layout.slot_bytes:

@@ -10,23 +10,53 @@ frees its blocks.
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Callable
 
 import torch
 
 from offload_connector.config import ConfigError, OffloadConfig, check_host_memory
+from offload_connector.groups import tier_slots
 from offload_connector.log import get_logger
 from offload_connector.metadata import OffloadMetadata, OffloadWorkerMetadata, TransferJob
 from offload_connector.metrics import OffloadStats, OffloadStatsSink, counts_blocks_here
-from offload_connector.worker.layout import KVLayout, build_layout, expected_slot_bytes, host_views
+from offload_connector.worker.layout import KVLayout, build_layout, host_views
 from offload_connector.worker.transfers import TransferEngine
 
 logger = get_logger(__name__)
 
 
+# make_copier's signature: (transfer_backend, device_pages, host_pages, segments, *, device) -> a kernels.BlockCopier.
+CopierFactory = Callable[..., Any]
+# (num_slots, slot_bytes, pin) -> the host tier: an object with `tensor`, a (num_slots, slot_bytes) uint8 arena, and
+# optionally `pinned` and `close()` (kernels.HostTier).
+HostTierFactory = Callable[[int, int, bool], Any]
+
+
+def allocate_checked_host_tier(num_slots: int, slot_bytes: int, pin: bool) -> Any:
+    """The host tier vLLM's workers get: checked against the host's memory first, then allocated (pinned on CUDA)."""
+    from offload_connector.kernels import allocate_host_tier
+
+    # Before the mmap: a tier the host cannot hold is one ConfigError naming 'cpu_bytes', not a bare OSError.
+    check_host_memory(num_slots * slot_bytes)
+    try:
+        return allocate_host_tier(num_slots, slot_bytes, pin=pin)
+    except OSError as err:  # the kernel refused the mapping all the same (ENOMEM under strict overcommit)
+        raise ConfigError(f"kv_connector_extra_config: 'cpu_bytes': the host refused the "
+                          f"{num_slots * slot_bytes:,}-byte host tier ({err}); lower 'cpu_bytes'") from None
+
+
 class OffloadWorker:
-    def __init__(self, config: OffloadConfig, vllm_config: Any, kv_cache_config: Any) -> None:
+    """The worker side. `copier_factory` and `host_tier_factory` replace how the copier and the host tier are built
+    (default: `kernels.make_copier` and `allocate_checked_host_tier`); the benchmarks' simulation passes a simulated
+    copier and a meta-device tier, and registers meta-device KV caches, so the worker runs as it does in vLLM
+    without a byte of KV cache or host tier being allocated."""
+
+    def __init__(self, config: OffloadConfig, vllm_config: Any, kv_cache_config: Any, *,
+                 copier_factory: CopierFactory | None = None,
+                 host_tier_factory: HostTierFactory | None = None) -> None:
         self.config = config
+        self._copier_factory = copier_factory
+        self._host_tier_factory = host_tier_factory or allocate_checked_host_tier
         self.kv_cache_config = kv_cache_config
         self.stats = OffloadStatsSink()
         self.layout: KVLayout | None = None
@@ -56,24 +86,16 @@ class OffloadWorker:
 
     # ------------------------------------------------------------------ set-up
     def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
-        from offload_connector.kernels import allocate_host_tier, make_copier
+        from offload_connector.kernels import make_copier
 
         layout, views = build_layout(kv_caches, self.kv_cache_config)
-        # Same slot count as the scheduler side's tier index (it sizes slots from the specs).
-        num_slots = self.config.cpu_bytes // expected_slot_bytes(self.kv_cache_config)
-        if num_slots < 1:
-            raise ValueError(f"kv_connector_extra_config: 'cpu_bytes' ({self.config.cpu_bytes}) is smaller than one "
-                             f"host block ({expected_slot_bytes(self.kv_cache_config)} bytes)")
+        # The scheduler side's slot count, from the same function: slot ids it hands out exist here.
+        num_slots, _ = tier_slots(self.config.cpu_bytes, self.kv_cache_config)
         device = views[0].device
-        # Before the mmap: a tier the host cannot hold is one ConfigError naming 'cpu_bytes', not a bare OSError.
-        check_host_memory(num_slots * layout.slot_bytes)
-        try:
-            self.host_tier = allocate_host_tier(num_slots, layout.slot_bytes, pin=device.type == "cuda")
-        except OSError as err:  # the kernel refused the mapping all the same (ENOMEM under strict overcommit)
-            raise ConfigError(f"kv_connector_extra_config: 'cpu_bytes': the host refused the "
-                              f"{num_slots * layout.slot_bytes:,}-byte host tier ({err}); lower 'cpu_bytes'") from None
+        self.host_tier = self._host_tier_factory(num_slots, layout.slot_bytes, device.type == "cuda")
         hosts = host_views(self.host_tier.tensor, layout)
-        copier = make_copier(self.config.transfer_backend, views, hosts, layout.segments, device=device)
+        copier = (self._copier_factory or make_copier)(self.config.transfer_backend, views, hosts, layout.segments,
+                                                       device=device)
         self.backend = getattr(copier, "name", type(copier).__name__)
         self.layout, self._device_views = layout, views
         checksums = None
@@ -187,7 +209,7 @@ class OffloadWorker:
         assert self.layout is not None
         # Flip the top bit of every other byte: for 16-bit KV (bf16/fp16, little-endian) that negates each value,
         # so the block stays finite and plausible instead of turning into NaNs a model might just propagate.
-        group, block = job.groups[0], job.gpu_blocks[0]
+        group, block = job.groups[0], job.gpu_blocks[0]  # the first block of the first group it loads
         for page in self.layout.segments[group]:
             row = self._device_views[page][block]
             row[1::2] ^= 0x80

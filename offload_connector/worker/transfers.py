@@ -67,6 +67,14 @@ class _Issued:
     def issued(self) -> bool:
         return self.completion is not None or self.error is not None
 
+    @property
+    def failure(self) -> str | None:
+        """Once landed: why the copy failed (it raised when issued, or its backend reported a failure when it
+        landed, `Completion.error`), or None."""
+        if self.error is not None:
+            return self.error
+        return getattr(self.completion, "error", None)
+
     def query(self) -> bool:
         if not self.issued:
             if time.perf_counter() < self._at:
@@ -145,17 +153,18 @@ class TransferEngine:
 
     # ------------------------------------------------------------------ submit
     def _ids(self, job: TransferJob) -> list[tuple[np.ndarray, np.ndarray] | None]:
-        groups = np.asarray(job.groups, dtype=np.int64)
-        host = np.asarray(job.host_slots, dtype=np.int64)
-        gpu = np.asarray(job.gpu_blocks, dtype=np.int64)
-        out: list[tuple[np.ndarray, np.ndarray] | None] = []
-        for g in range(self._num_groups):
-            sel = groups == g
-            out.append((host[sel], gpu[sel]) if sel.any() else None)
-        return out
+        # Groups past the job's last entry move nothing (the scheduler side always names every group).
+        if len(job.group_gpu_blocks) > self._num_groups:
+            raise ValueError(f"job {job.job_id} names {len(job.group_gpu_blocks)} KV cache groups; this worker has "
+                             f"{self._num_groups}")
+        ids: list[tuple[np.ndarray, np.ndarray] | None] = [None] * self._num_groups
+        for g, (blocks, slots) in enumerate(zip(job.group_gpu_blocks, job.group_host_slots)):
+            if blocks:
+                ids[g] = (np.asarray(slots, dtype=np.int64), np.asarray(blocks, dtype=np.int64))
+        return ids
 
     def _nbytes(self, job: TransferJob) -> int:
-        return sum(self._group_bytes[g] for g in job.groups)
+        return sum(self._group_bytes[g] * len(blocks) for g, blocks in enumerate(job.group_gpu_blocks))
 
     @staticmethod
     def _on(stream: Any) -> Any:
@@ -257,10 +266,11 @@ class TransferEngine:
                 continue
             del self._jobs[job_id]
             issued = flight.completion
-            ok = issued is not None and issued.error is None
-            if issued is not None and issued.error is not None:  # a delayed copy that raised when issued
+            failure = issued.failure if issued is not None else flight.error
+            ok = issued is not None and failure is None
+            if issued is not None and failure is not None:  # a delayed copy that raised, or a copy that landed failed
                 logger.warning("offload_connector: %s job %d for %s failed: %s", flight.kind, job_id,
-                               flight.job.request_id, issued.error)
+                               flight.job.request_id, failure)
             verify_failed = False
             if flight.kind == "store":
                 for bid in flight.job.gpu_blocks:

@@ -1,0 +1,5 @@
+import sys
+
+from offload_bench.cli import main
+
+sys.exit(main())

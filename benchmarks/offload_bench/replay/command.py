@@ -1,0 +1,552 @@
+"""`offload-connector replay`: arguments, defaults per model and workload, progress, table, JSON and plot.
+
+Every argument is checked before anything runs, and a bad one ends the command with exit status 2 and one line on
+stderr (never a traceback): numbers against the ranges next to each option below (NaN and infinity are rejected),
+the trace file (trace.py), output paths (the directory must exist and be writable), the optional libraries an option
+needs (tqdm for the progress bars, matplotlib for --plot). Checks that need vLLM's view of the model (the smallest
+GPU pool that holds one max_model_len request, the smallest CPU tier, the model's own max_model_len) run once before
+the replay starts, by building the engines the replay will build; the message names the minimum.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import importlib
+import json
+import math
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+from offload_bench.replay import CONNECTORS
+
+
+@dataclass(frozen=True)
+class ModelDefaults:
+    num_gpu_blocks: int
+    cpu_bytes: int
+    max_model_len: int
+    trace: str | None
+
+
+# models-and-traces.md §5: the Gemma seed pool, and DeepSeek-V4-Flash cell A. gpt-oss-20b: chosen for pressure, like
+# Gemma's, not from a deployment (an H100 would hold ~60 GB of its KV): 2,304 blocks of 16 tokens (384 KiB per block
+# id: 0.84 GiB, 36k tokens) is about the smallest pool in which a cold max_model_len request (2,048 full + 137 window
+# blocks) still fits. The 8 GiB tier holds about 320k tokens at the 26 KiB per cached token measured on the
+# built-in reuse workloads, less than their distinct prompt tokens, so the tier evicts too.
+GPU_BLOCKS_GPT_OSS = 2304
+MODEL_DEFAULTS = {
+    "gemma-4-31b": ModelDefaults(2188, 40 * 2**30, 32768, "gemma4-31b-returning"),
+    "deepseek-v4-flash": ModelDefaults(6144, 48 * 2**30, 1_048_576, "deepseek-v4-flash-1m"),
+    "gpt-oss-20b": ModelDefaults(GPU_BLOCKS_GPT_OSS, 8 * 2**30, 32768, "agent-tool-prefix"),
+}
+DEFAULT_MODEL = "gemma-4-31b"
+CUSTOM_DEFAULTS = ModelDefaults(4096, 40 * 2**30, 32768, None)
+
+
+@dataclass(frozen=True)
+class TraceDefaults:
+    limit: int | None
+    time_scale: float
+
+
+# The Mooncake synthetic trace is 3,993 requests in 17 minutes averaging 15k prompt tokens: about 3x what one
+# simulated accelerator computes. The default replays its first 200 requests with arrivals spread 6x (below
+# saturation, so time to first token is not all queueing).
+TRACE_DEFAULTS = {"mooncake-synthetic": TraceDefaults(200, 6.0)}
+
+# ------------------------------------------------------------------------------------------------ argument ranges
+# Upper bounds keep every input inside what this machine-independent simulation can hold: the scheduler keeps a
+# Python object per GPU block (2^20 blocks: ~0.3 GB per connector; 10^12 ran out of memory) and the recorder a few
+# floats per step (2*10^6 steps: ~0.4 GB per connector). The model-dependent minimum of --gpu-blocks (one
+# max_model_len request must fit) and of --cpu-bytes (one host block) is checked with vLLM before the run.
+MAX_GPU_BLOCKS = 2**20
+MIN_GPU_BLOCKS = 2  # vLLM holds one block back (the null block)
+MAX_CPU_BYTES = 2**50  # 1 PiB; the tiers allocate host slots lazily, so this is a sanity bound
+MIN_MODEL_LEN = 2  # one prompt token and one output token
+MAX_MODEL_LEN = 2**24  # vLLM then checks the model's own limit (e.g. 262,144 for Gemma 4)
+MAX_BATCHED_TOKENS = 2**22
+MAX_NUM_SEQS = 65536
+MAX_SEED = 2**63 - 1
+MAX_LIMIT = 10**7
+MAX_STEPS = 2 * 10**6
+MAX_STALL_STEPS = 10**6
+TIME_SCALE = (1e-6, 1e4)  # arrivals stay within ~10^12 simulated seconds, where a 1 ms step is still resolved
+BANDWIDTH_GBPS = (0.01, 1e5)
+STEP_OVERHEAD_MS = (1e-3, 1e5)
+TOKEN_US = (1e-3, 1e6)  # --prefill-token-us, --decode-request-us
+OFFLOAD_CONFIG_MAX_NUMBER = 10**9  # any number in --offload-config (steps, tokens, seconds)
+MAX_CONFIG_JSON_BYTES = 16 * 2**20  # a custom --model's config.json
+
+
+class ArgError(Exception):
+    """A bad argument found after parsing (a combination, a file, a path, a missing library): one line."""
+
+
+def one_line(text: Any, limit: int = 600) -> str:
+    """`text` as one printable line: control characters escaped, over-long text cut."""
+    out = "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in str(text))
+    return out if len(out) <= limit else out[: limit - 3] + "..."
+
+
+def fail(prog: str, message: Any) -> int:
+    """argparse's error() format, one line on stderr; the exit status for a bad argument."""
+    print(f"{prog}: error: {one_line(message)}", file=sys.stderr, flush=True)
+    return 2
+
+
+class OneLineParser(argparse.ArgumentParser):
+    """argparse, but an error is one line (no usage block): `PROG: error: MESSAGE`, exit status 2."""
+
+    def error(self, message: str) -> None:  # type: ignore[override]
+        self.exit(2, f"{self.prog}: error: {one_line(message)} (see {self.prog} --help)\n")
+
+
+def int_in(lo: int, hi: int) -> Callable[[str], int]:
+    """argparse type: an integer in [lo, hi]."""
+    def parse(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer (allowed: {lo:,} to {hi:,})") from None
+        if not lo <= value <= hi:
+            raise argparse.ArgumentTypeError(f"{value:,} is out of range (allowed: {lo:,} to {hi:,})")
+        return value
+
+    parse.__name__ = "int"
+    return parse
+
+
+def float_in(lo: float, hi: float) -> Callable[[str], float]:
+    """argparse type: a finite number in [lo, hi] (NaN and infinity rejected)."""
+    def parse(text: str) -> float:
+        try:
+            value = float(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"{text!r} is not a number (allowed: {lo:g} to {hi:g})") from None
+        if not math.isfinite(value):
+            raise argparse.ArgumentTypeError(f"{text!r} is not finite (allowed: {lo:g} to {hi:g})")
+        if not lo <= value <= hi:
+            raise argparse.ArgumentTypeError(f"{value:g} is out of range (allowed: {lo:g} to {hi:g})")
+        return value
+
+    parse.__name__ = "float"
+    return parse
+
+
+def parse_bytes(text: str) -> int:
+    """A byte size from 1 B to 1 PiB, read as `cpu_bytes` is (vLLM's suffixes: 64g = 64e9, 64G = 64GiB = 64 x 2^30)."""
+    from offload_connector.config import ConfigError, parse_byte_size
+    try:
+        value = parse_byte_size("cpu_bytes", text.strip())
+    except ConfigError:
+        value = None
+    if value is None or not 1 <= value <= MAX_CPU_BYTES:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a byte size from 1 B to 1 PiB (e.g. 40GiB, 64g, 512Mi, "
+                                         f"1000000; suffixes as vLLM's: lower case decimal, upper case binary)")
+    return value
+
+
+def check_output_path(flag: str, path: str | None) -> None:
+    """Before the run: `path`'s directory exists and a file can be written there (probed, then removed)."""
+    if path is None:
+        return
+    if not path.strip():
+        raise ArgError(f"{flag}: empty path")
+    p = Path(path)
+    try:
+        if p.is_dir():
+            raise ArgError(f"{flag} {path!r}: is a directory; give a file name")
+        parent = p.parent
+        if not parent.is_dir():
+            raise ArgError(f"{flag} {path!r}: directory {str(parent)!r} does not exist" if not parent.exists()
+                           else f"{flag} {path!r}: {str(parent)!r} is not a directory")
+        existed = p.exists() or p.is_symlink()
+        # O_NONBLOCK: a FIFO without a reader fails at once (ENXIO) instead of blocking the command.
+        fd = os.open(p, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK, 0o644)
+        os.close(fd)
+        if not existed:
+            p.unlink()
+    except OSError as err:
+        raise ArgError(f"{flag} {path!r}: cannot write there ({err.strerror or err})") from None
+
+
+def require_module(name: str, why: str, instead: str = "") -> Any:
+    """Import an optional library before the run, or say what to do without it."""
+    try:
+        return importlib.import_module(name)
+    except ImportError:
+        raise ArgError(f"{why} needs {name}, which is not installed (pip install {name.split('.')[0]}{instead})"
+                       ) from None
+    except Exception as err:  # installed but broken: still a one-line answer before the run
+        raise ArgError(f"{why} needs {name}, which fails to import ({type(err).__name__}: {err})") from None
+
+
+def check_plot(path: str | None) -> None:
+    if path is None:
+        return
+    check_output_path("--plot", path)
+    mpl = require_module("matplotlib", "--plot")
+    try:
+        mpl.use("Agg")  # as plots.plot does: no display on a server
+        require_module("matplotlib.pyplot", "--plot")
+        from matplotlib.backend_bases import FigureCanvasBase
+
+        kinds = sorted(FigureCanvasBase.get_supported_filetypes())
+    except ArgError:
+        raise
+    except Exception as err:
+        raise ArgError(f"--plot: matplotlib cannot be set up ({type(err).__name__}: {err})") from None
+    ext = Path(path).suffix.lower().lstrip(".")
+    if ext not in kinds:
+        raise ArgError(f"--plot {path!r}: the file name must end in one of {', '.join('.' + k for k in kinds)}")
+
+
+def check_progress(args: argparse.Namespace) -> None:
+    if not args.no_progress:
+        require_module("tqdm", "the progress bars", ", or pass --no-progress")
+
+
+def check_batch(args: argparse.Namespace) -> None:
+    if args.max_num_batched_tokens < args.max_num_seqs:
+        raise ArgError(f"--max-num-batched-tokens ({args.max_num_batched_tokens:,}) must be at least --max-num-seqs "
+                       f"({args.max_num_seqs:,}): vLLM schedules at least one token per sequence in a step")
+
+
+def check_outputs_differ(*pairs: tuple[str, str | None]) -> None:
+    given = [(flag, Path(p).resolve()) for flag, p in pairs if p]
+    for i, (f1, p1) in enumerate(given):
+        for f2, p2 in given[i + 1:]:
+            if p1 == p2 and str(p1) != os.devnull:
+                raise ArgError(f"{f1} and {f2} name the same file ({str(p1)!r})")
+
+
+_MODELS_DIR = Path(__file__).resolve().parent.parent / "sim" / "models"
+
+
+def check_model(name: str) -> None:
+    """Without vLLM: a bundled model, or a path to a readable config.json holding a JSON object with a model_type."""
+    if name and "/" not in name and (_MODELS_DIR / name / "config.json").is_file():
+        return
+    known = sorted(d.name for d in _MODELS_DIR.iterdir() if (d / "config.json").is_file())
+    p = Path(name)
+    cfg = p
+    try:
+        cfg = p if p.name == "config.json" and p.is_file() else p / "config.json"
+        if not name or not cfg.is_file():
+            raise ArgError(f"--model {name!r}: neither a bundled model ({', '.join(known)}) nor a path holding a "
+                           f"config.json")
+        if cfg.stat().st_size > MAX_CONFIG_JSON_BYTES:
+            raise ArgError(f"--model {name!r}: {_its(p, cfg)} over {MAX_CONFIG_JSON_BYTES:,} bytes")
+        data = json.loads(cfg.read_bytes().decode("utf-8"))
+    except OSError as err:
+        raise ArgError(f"--model {name!r}: cannot read {_its(p, cfg)[:-3]} ({err.strerror or err})") from None
+    except RecursionError:
+        raise ArgError(f"--model {name!r}: {_its(p, cfg)} not valid JSON here (nested too deeply)") from None
+    except ValueError as err:  # JSONDecodeError, UnicodeDecodeError, an over-long integer
+        raise ArgError(f"--model {name!r}: {_its(p, cfg)} not valid JSON ({err})") from None
+    if not isinstance(data, dict) or not isinstance(data.get("model_type"), str):
+        raise ArgError(f"--model {name!r}: {_its(p, cfg)} not a model config (no \"model_type\")")
+
+
+def _its(given: Path, cfg: Path) -> str:
+    return "it is" if given == cfg else "its config.json is"
+
+
+def parse_connectors(text: str) -> tuple[str, ...]:
+    names = [c.strip() for c in text.split(",") if c.strip()]
+    bad = [c for c in names if c not in CONNECTORS]
+    if not names:
+        raise ArgError(f"--connectors: none given; choose from {', '.join(CONNECTORS)}")
+    if bad:
+        raise ArgError(f"--connectors: {bad} not known; choose from {', '.join(CONNECTORS)}")
+    dups = sorted({c for c in names if names.count(c) > 1})
+    if dups:
+        raise ArgError(f"--connectors: {dups} given more than once")
+    return tuple(names)
+
+
+# ------------------------------------------------------------------------------- checks that need vLLM (preflight)
+def _error_text(err: BaseException) -> str:
+    errors = getattr(err, "errors", None)  # pydantic's ValidationError: the first error's message
+    if callable(errors):
+        try:
+            first = errors()[0]
+            return str(first.get("msg", err)).removeprefix("Value error, ")
+        except Exception:
+            pass
+    return str(err)
+
+
+def min_gpu_blocks(settings: Any) -> int | None:
+    """The smallest pool in which vLLM plans one max_model_len request of the model (None: not up to
+    MAX_GPU_BLOCKS). Binary search over vLLM's own planner (~20 plans, each a few ms once the model is inspected)."""
+    import logging
+
+    from offload_bench.sim.layouts import build_sim_model, build_vllm_config
+
+    def fits(n: int) -> bool:
+        try:
+            vc = build_vllm_config(settings.model, max_model_len=settings.max_model_len,
+                                   max_num_batched_tokens=settings.max_num_batched_tokens,
+                                   max_num_seqs=settings.max_num_seqs, num_gpu_blocks=n)
+            build_sim_model(settings.model, vllm_config=vc, num_blocks=n)
+            return True
+        except ValueError:
+            return False
+
+    log = logging.getLogger("vllm")
+    level = log.level
+    log.setLevel(logging.ERROR)  # vLLM logs each plan at INFO
+    try:
+        lo, hi = settings.num_gpu_blocks, MAX_GPU_BLOCKS  # lo fails
+        if not fits(hi):
+            return None
+        while hi - lo > 1:
+            mid = (lo + hi) // 2
+            lo, hi = (lo, mid) if fits(mid) else (mid, hi)
+        return hi
+    finally:
+        log.setLevel(level)
+
+
+def explain_build_error(settings: Any, what: str, err: BaseException) -> str:
+    """One line for an engine that cannot be built with these arguments."""
+    msg = _error_text(err)
+    model, n, mml = settings.model, settings.num_gpu_blocks, settings.max_model_len
+    if "No available memory for the cache blocks" in msg or "To serve at least one request" in msg:
+        need = min_gpu_blocks(settings)
+        if need is None:
+            return (f"--max-model-len {mml:,}: even {MAX_GPU_BLOCKS:,} GPU blocks cannot hold one request that long "
+                    f"of {model}; lower --max-model-len")
+        return (f"--gpu-blocks {n:,} cannot hold one {mml:,}-token request of {model}: at least {need:,} blocks are "
+                f"needed at this --max-model-len (or lower --max-model-len)")
+    if "max_model_len" in msg and "derived" in msg:
+        return f"--max-model-len {mml:,} is longer than {model} allows: {msg.split('. To allow')[0]}"
+    if "cpu_bytes" in msg and "host block" in msg:
+        return f"--cpu-bytes {settings.cpu_bytes:,}: {msg.removeprefix('kv_connector_extra_config: ')}"
+    if type(err).__name__ == "UnsupportedModelError":  # sim.layouts: vLLM builds it, the replay cannot lay it out
+        return f"--model {model}: {msg}"
+    if "Supported architectures:" in msg:  # vLLM's refusal lists every architecture it knows: name only the one
+        return f"--model {model}: {' '.join(msg.split(' Supported architectures:')[0].split())}"
+    return f"cannot build the {what} engine with these arguments ({type(err).__name__}: {msg})"
+
+
+def preflight(builders: list[tuple[str, Callable[[], Any]]], settings: Any) -> str | None:
+    """Build every engine the run will build, once, before it starts: the first failure as one line, else None."""
+    try:
+        for what, build in builders:
+            try:
+                build()
+            except Exception as err:  # before the run: whatever vLLM raises for these settings is an argument error
+                return explain_build_error(settings, what, err)
+        return None
+    finally:
+        gc.collect()
+
+
+# ----------------------------------------------------------------------------------------------------- the parser
+def _offload_config(text: str) -> dict[str, Any]:
+    """Parsed and validated before anything runs, with the connector's own config checks."""
+    from offload_connector.config import ConfigError, OffloadConfig
+
+    try:
+        extra = json.loads(text)
+    except RecursionError:
+        raise argparse.ArgumentTypeError("not JSON here: nested too deeply") from None
+    except ValueError as err:
+        raise argparse.ArgumentTypeError(f"not JSON: {err}") from None
+    if not isinstance(extra, dict):
+        raise argparse.ArgumentTypeError("must be a JSON object")
+    if "cpu_bytes" in extra or "reservation" in extra:
+        raise argparse.ArgumentTypeError("cpu_bytes and reservation are set by --cpu-bytes and the column")
+    for key in ("debug_corrupt_load", "debug_fail_load"):
+        if key in extra:
+            raise argparse.ArgumentTypeError(f"{key!r} is test-only fault injection and makes the replay's load "
+                                             f"checks fail; use `offload-connector soak` for injected faults")
+    try:
+        OffloadConfig.from_extra_config({"cpu_bytes": 1, **extra})
+    except ConfigError as err:
+        raise argparse.ArgumentTypeError(str(err)) from None
+    for key, value in extra.items():  # the connector's checks have no upper bounds; a replay needs some
+        if isinstance(value, (int, float)) and not isinstance(value, bool) and value > OFFLOAD_CONFIG_MAX_NUMBER:
+            raise argparse.ArgumentTypeError(f"{key!r} must be at most {OFFLOAD_CONFIG_MAX_NUMBER:,} here "
+                                             f"(got {value:g})")
+    return extra
+
+
+def add_parser(sub: Any) -> None:
+    p = sub.add_parser("replay", help="replay a workload through vLLM's real scheduler with several connectors",
+                       description=__doc__)
+    p.add_argument("--model", help="gemma-4-31b, deepseek-v4-flash, gpt-oss-20b, or a path to a config.json "
+                   "(default: the built-in workload's model, else gemma-4-31b)")
+    p.add_argument("--trace", help="built-in workload (gemma4-31b-returning, deepseek-v4-flash-1m, "
+                   "mooncake-synthetic, agent-tool-prefix, rag-shared-docs, decode-heavy) or a Mooncake-format "
+                   "JSONL file (plain or gzip); default: the model's workload")
+    p.add_argument("--connectors", default=",".join(CONNECTORS),
+                   help=f"comma-separated, from {', '.join(CONNECTORS)} (default: all)")
+    p.add_argument("--gpu-blocks", type=int_in(MIN_GPU_BLOCKS, MAX_GPU_BLOCKS),
+                   help=f"GPU KV pool blocks, {MIN_GPU_BLOCKS} to {MAX_GPU_BLOCKS:,} and at least one max_model_len "
+                        f"request's worth (default per model: gemma 2188, deepseek 6144, gpt-oss {GPU_BLOCKS_GPT_OSS})")
+    p.add_argument("--cpu-bytes", type=parse_bytes, help="CPU tier size, at least one host block, at most 1 PiB "
+                   "(default per model: 40GiB / 48GiB / 8GiB)")
+    p.add_argument("--max-num-batched-tokens", type=int_in(1, MAX_BATCHED_TOKENS), default=1024,
+                   help=f"1 to {MAX_BATCHED_TOKENS:,}, at least --max-num-seqs (default 1024)")
+    p.add_argument("--max-model-len", type=int_in(MIN_MODEL_LEN, MAX_MODEL_LEN),
+                   help="at least 2, at most the model's own limit (default per model: 32768 / 1048576 / 32768)")
+    p.add_argument("--max-num-seqs", type=int_in(1, MAX_NUM_SEQS), default=64, help=f"1 to {MAX_NUM_SEQS:,}")
+    p.add_argument("--seed", type=int_in(0, MAX_SEED), default=0,
+                   help="workload generation and prompt token ids, 0 to 2^63-1")
+    p.add_argument("--limit", type=int_in(1, MAX_LIMIT),
+                   help=f"replay only the first N requests, 1 to {MAX_LIMIT:,} (mooncake-synthetic: 200)")
+    p.add_argument("--time-scale", type=float_in(*TIME_SCALE),
+                   help=f"multiply arrival times, {TIME_SCALE[0]:g} to {TIME_SCALE[1]:g} (mooncake-synthetic: 6.0; "
+                        f"else 1.0)")
+    p.add_argument("--stall-steps", type=int_in(1, MAX_STALL_STEPS), default=200,
+                   help=f"K consecutive idle steps that count as a stall, 1 to {MAX_STALL_STEPS:,}")
+    p.add_argument("--max-steps", type=int_in(1, MAX_STEPS), default=200_000, help=f"1 to {MAX_STEPS:,}")
+    p.add_argument("--bandwidth-gbps", type=float_in(*BANDWIDTH_GBPS), default=50.0,
+                   help=f"host<->device GB/s per direction, {BANDWIDTH_GBPS[0]:g} to {BANDWIDTH_GBPS[1]:g}")
+    p.add_argument("--step-overhead-ms", type=float_in(*STEP_OVERHEAD_MS),
+                   help=f"fixed cost of a step, {STEP_OVERHEAD_MS[0]:g} to {STEP_OVERHEAD_MS[1]:g} (model default)")
+    p.add_argument("--prefill-token-us", type=float_in(*TOKEN_US),
+                   help=f"cost per prompt token, {TOKEN_US[0]:g} to {TOKEN_US[1]:g} (model default)")
+    p.add_argument("--decode-request-us", type=float_in(*TOKEN_US),
+                   help=f"cost per decoding request, {TOKEN_US[0]:g} to {TOKEN_US[1]:g} (model default)")
+    p.add_argument("--no-check-loads", action="store_true", help="skip checking loaded block contents (faster)")
+    p.add_argument("--offload-config", type=_offload_config, default={},
+                   help='JSON object of kv_connector_extra_config keys for the offload columns, e.g. '
+                        '\'{"window_checkpoint_tokens": 0, "admission_policy": "greedy"}\' (cpu_bytes comes from '
+                        '--cpu-bytes)')
+    p.add_argument("--json", help="write the results here (the directory must exist)")
+    p.add_argument("--plot", help="write a plot here, e.g. a .png (needs matplotlib; the directory must exist)")
+    p.add_argument("--no-progress", action="store_true")
+
+
+class _Bars:
+    """One progress bar per connector (tqdm on stderr), completed requests out of the total."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self.bars: dict[str, Any] = {}
+
+    def __call__(self, kind: str, done: int, total: int, status: dict[str, Any]) -> None:
+        if not self.enabled:
+            return
+        from tqdm import tqdm
+
+        bar = self.bars.get(kind)
+        if bar is None:
+            bar = self.bars[kind] = tqdm(total=total, desc=f"{kind:>24}", unit="req", file=sys.stderr,
+                                         dynamic_ncols=True, leave=True)
+        bar.n = done
+        bar.set_postfix_str(f"step {status['step']:,} sim {status['t']:.1f}s "
+                            f"run {status.get('run', 0)} wait {status.get('wait', 0)}", refresh=True)
+        if status.get("done"):
+            bar.close()
+
+
+PROG = "offload-connector replay"
+
+
+def _trace_error(err: BaseException) -> str:
+    text = str(err)
+    return text if text.startswith("--trace") else f"--trace: {text}"
+
+
+def run(args: argparse.Namespace) -> int:
+    # Everything that needs no vLLM first, so that a bad argument is answered in well under a second.
+    from offload_bench.replay.timemodel import time_model_for
+    from offload_bench.replay.trace import TraceError
+    from offload_bench.replay.workloads import resolve_trace
+
+    try:
+        connectors = parse_connectors(args.connectors)
+        check_batch(args)
+        check_outputs_differ(("--json", args.json), ("--plot", args.plot))
+        check_output_path("--json", args.json)
+        check_plot(args.plot)
+        check_progress(args)
+        if args.model is not None:
+            check_model(args.model)
+    except ArgError as err:
+        return fail(PROG, err)
+    workload = None
+    if args.trace is not None:  # first, so that a built-in workload can name the model it was sized for
+        try:
+            workload = resolve_trace(args.trace, args.seed)
+        except (TraceError, OSError) as err:
+            return fail(PROG, _trace_error(err))
+    model = args.model or (workload.default_model if workload else None) or DEFAULT_MODEL
+    md = MODEL_DEFAULTS.get(model, CUSTOM_DEFAULTS)
+    trace = args.trace or md.trace
+    if trace is None:
+        return fail(PROG, "--trace is required for a custom model")
+    if workload is None:
+        try:
+            workload = resolve_trace(trace, args.seed)
+        except (TraceError, OSError) as err:
+            return fail(PROG, _trace_error(err))
+    td = TRACE_DEFAULTS.get(trace, TraceDefaults(None, 1.0))
+    try:
+        time_model = time_model_for(model if model in MODEL_DEFAULTS else "", bandwidth_gbps=args.bandwidth_gbps,
+                                    overhead_ms=args.step_overhead_ms, prefill_token_us=args.prefill_token_us,
+                                    decode_request_us=args.decode_request_us)
+    except ValueError as err:
+        return fail(PROG, err)
+
+    from offload_bench.platform import use_cpu_platform
+
+    use_cpu_platform()  # before vLLM is imported
+    from offload_bench.replay.connectors import ReplayEngine
+    from offload_bench.replay.pool_dump import format_dump
+    from offload_bench.replay.runner import ReplayConfig, run_replay
+    from offload_bench.replay.table import header, render
+    from offload_bench.replay.timemodel import SimClock
+
+    pick = lambda given, default: default if given is None else given  # noqa: E731  (0 is not "unset")
+    try:
+        cfg = ReplayConfig(
+            model=model, connectors=connectors, num_gpu_blocks=pick(args.gpu_blocks, md.num_gpu_blocks),
+            cpu_bytes=pick(args.cpu_bytes, md.cpu_bytes), max_num_batched_tokens=args.max_num_batched_tokens,
+            max_model_len=pick(args.max_model_len, md.max_model_len), max_num_seqs=args.max_num_seqs,
+            seed=args.seed, stall_steps=args.stall_steps, max_steps=args.max_steps, limit=pick(args.limit, td.limit),
+            time_scale=pick(args.time_scale, td.time_scale), check_loads=not args.no_check_loads,
+            offload_extra=tuple(sorted(args.offload_config.items())), time_model=time_model)
+    except ValueError as err:
+        return fail(PROG, err)
+    problem = preflight([(kind, lambda kind=kind: ReplayEngine(kind, cfg, SimClock(cfg.time_model)))
+                         for kind in cfg.connectors], cfg)
+    if problem is not None:
+        return fail(PROG, problem)
+    t0 = time.time()
+    try:
+        out = run_replay(workload, cfg, progress=_Bars(not args.no_progress))
+    except NotImplementedError as err:  # a config.json whose layer specs the simulation cannot derive
+        return fail(PROG, f"--model {model}: {err}")
+    print()
+    print(header(out))
+    print()
+    print(render([r.result for r in out.runs]))
+    for r in out.runs:
+        if r.result.stall_dump is not None:
+            print()
+            print(format_dump(r.result.connector, r.result.stall_dump))
+    print(f"\nwall time {time.time() - t0:.0f} s")
+    try:
+        if args.json:
+            with open(args.json, "w") as fh:
+                json.dump(out.to_json(), fh, indent=2, default=str)
+            print(f"results: {args.json}")
+        if args.plot:
+            from offload_bench.replay.plots import plot
+
+            print(f"plot: {plot(out, args.plot)}")
+    except OSError as err:  # checked before the run; the disk filled up or the directory went away since
+        print(f"{PROG}: error: {one_line(f'cannot write the results ({err})')}", file=sys.stderr)
+        return 1
+    return 0

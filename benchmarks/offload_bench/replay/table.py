@@ -1,0 +1,115 @@
+"""The side-by-side results table (one column per connector) and the header that says what was simulated."""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+from offload_bench.replay.metrics import ConnectorResult
+
+
+def _f(fmt: str) -> Callable[[Any], str]:
+    return lambda v: "-" if v is None else format(v, fmt)
+
+
+def _pct(v: float | None) -> str:
+    return "-" if v is None else f"{100 * v:.1f}%"
+
+
+def _bytes(v: float | None) -> str:
+    if v is None:
+        return "-"
+    for unit, div in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
+        if abs(v) >= div:
+            return f"{v / div:.1f} {unit}"
+    return f"{v:.0f} B"
+
+
+def _share(part: int | None, whole: int | None) -> str:
+    if part is None:
+        return "-"
+    return f"{part:,} ({100 * part / whole:.1f}%)" if whole else f"{part:,}"
+
+
+ROWS: list[tuple[str, Callable[[ConnectorResult], Any], Callable[[Any], str]]] = [
+    ("stalled", lambda r: r.stalled, str),
+    ("first_stall_step", lambda r: r.first_stall_step, _f(",")),
+    ("requests completed/total", lambda r: f"{r.requests_completed}/{r.requests_total}", str),
+    ("simulated seconds", lambda r: r.simulated_seconds, _f(",.1f")),
+    ("steps", lambda r: r.steps, _f(",")),
+    ("output tokens / sim s", lambda r: (r.output_tokens_per_s, r.stalled),
+     lambda v: f"{v[0]:,.1f}" + (" (to stall)" if v[1] else "")),
+    ("TTFT p50 (s)", lambda r: r.ttft_p50_s, _f(".3f")),
+    ("TTFT p95 (s)", lambda r: r.ttft_p95_s, _f(".3f")),
+    ("tokens loaded from CPU", lambda r: r.tokens_loaded_from_cpu, _f(",")),
+    ("tokens recomputed", lambda r: r.tokens_recomputed, _f(",")),
+    ("  of which were in CPU tier", lambda r: r.recomputed_tokens_in_cpu, _f(",")),
+    ("  of which restorable", lambda r: r.recomputed_restorable, _f(",")),
+    ("prompt tokens computed", lambda r: r.prompt_tokens_computed, _f(",")),
+    ("GPU pool util mean", lambda r: r.gpu_pool_util_mean, _pct),
+    ("GPU pool util p95", lambda r: r.gpu_pool_util_p95, _pct),
+    ("admission deferrals", lambda r: r.admission_deferrals, _f(",")),
+    ("  of which held for an older load", lambda r: r.extra.get("held_for_older"), _f(",")),
+    ("CPU-hit tokens at first lookup", lambda r: r.extra.get("cpu_hit_tokens"), _f(",")),
+    ("  aged out (recomputed)", lambda r: _share(r.extra.get("aged_out_tokens"), r.extra.get("cpu_hit_tokens")), str),
+    ("  too big for the pool (recomputed)", lambda r: _share(r.extra.get("too_big_tokens"),
+                                                               r.extra.get("cpu_hit_tokens")), str),
+    ("CPU tier bytes", lambda r: r.cpu_tier_bytes, _bytes),
+    ("CPU tier bytes / cached token", lambda r: r.cpu_tier_bytes_per_cached_token, _bytes),
+    ("bytes loaded / stored", lambda r: f"{_bytes(r.transfer_bytes_loaded)} / {_bytes(r.transfer_bytes_stored)}",
+     str),
+    ("loads content-checked", lambda r: r.extra.get("loads_content_checked"), _f(",")),
+    ("wall seconds (replay loop)", lambda r: r.wall_seconds, _f(".1f")),
+]
+
+
+def render(results: list[ConnectorResult]) -> str:
+    head = ["metric"] + [r.connector for r in results]
+    rows = [head]
+    for label, get, fmt in ROWS:
+        rows.append([label] + [fmt(get(r)) for r in results])
+    groups = sorted({g for r in results for g in r.gpu_pool_util_per_group})
+    for g in groups:
+        rows.append([f"  pool {g} mean/p95"] + [
+            "-" if g not in r.gpu_pool_util_per_group else
+            f"{_pct(r.gpu_pool_util_per_group[g]['mean'])}/{_pct(r.gpu_pool_util_per_group[g]['p95'])}"
+            for r in results])
+    widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
+    lines = []
+    for n, row in enumerate(rows):
+        lines.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))))
+        if n == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
+def header(out: Any) -> str:
+    cfg = out.config
+    tm = cfg.time_model
+    import vllm
+
+    return "\n".join([
+        f"replay: {out.workload}, {out.requests} requests ({out.clipped} clipped to max_model_len), "
+        f"model {cfg.model}, vLLM {vllm.__version__}",
+        f"pool {cfg.num_gpu_blocks:,} GPU blocks, CPU tier {cfg.cpu_bytes / 2**30:.1f} GiB, "
+        f"max_num_batched_tokens {cfg.max_num_batched_tokens}, max_model_len {cfg.max_model_len:,}, "
+        f"max_num_seqs {cfg.max_num_seqs}, async scheduling (2 batches in flight), seed {cfg.seed}, "
+        f"time scale {cfg.time_scale}"
+        + (f", offload config {dict(cfg.offload_extra)}" if getattr(cfg, "offload_extra", ()) else ""),
+        f"step time = {tm.overhead_ms} ms + {tm.prefill_token_us} us x prompt tokens + {tm.decode_request_us} us x "
+        f"decoding requests (empty step {tm.idle_step_ms} ms) [{tm.basis}]",
+        f"transfers: bytes / {tm.bandwidth_gbps} GB/s per direction, one job after another per direction",
+        f"stall: {cfg.stall_steps} consecutive steps with no token scheduled while requests wait and no transfer is "
+        f"in flight",
+        *_patched_note(out),
+    ])
+
+
+def _patched_note(out: Any) -> list[str]:
+    """Says what the patched column changed, so a reader does not take it for vLLM as released."""
+    for run in out.runs:
+        if run.result.connector == "vllm-offloading-patched":
+            groups = run.result.extra.get("admission_fix_groups") or []
+            names = ", ".join(f"g{g}" for g in groups) or "none (no sliding-window or chunked-local group)"
+            return [f"vllm-offloading-patched: vLLM's OffloadingConnector on a scheduler whose async-load admission "
+                    f"count has the sliding-window/chunked-local fix (sim/vllm_patched.py) on groups {names}"]
+    return []

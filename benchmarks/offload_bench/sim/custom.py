@@ -1,0 +1,123 @@
+"""Arbitrary hand-built KV layouts on vLLM's real scheduler (for property tests and fuzzing).
+
+Layouts are described as plain tuples so hypothesis can generate them: (kind, block_size, window_or_chunk).
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from typing import Any, Sequence
+
+from offload_connector.groups import cdiv
+from offload_bench.sim.layouts import build_vllm_config
+
+GroupDesc = tuple[str, int, int]  # kind, block size, sliding window / attention chunk (0 for full)
+
+
+def cold_need(groups: Sequence[GroupDesc], length: int, in_flight: int) -> int:
+    """Blocks a request of `length` tokens holds across `groups` when nothing is shared, with `in_flight` tokens
+    scheduled past a sliding window or chunk (what sizes a pool that can always run one such request)."""
+    total = 0
+    for kind, bs, extent in groups:
+        blocks = cdiv(length + 1, bs)
+        if kind in ("sliding", "sliding_mla"):
+            blocks = min(blocks, cdiv(extent - 1 + in_flight, bs) + 1)
+        elif kind == "chunked":
+            blocks = min(blocks, cdiv(extent + in_flight, bs))
+        total += blocks
+    return total
+
+
+def make_spec(kind: str, block_size: int, extent: int) -> Any:
+    import torch
+    from vllm.v1.kv_cache_interface import (
+        ChunkedLocalAttentionSpec,
+        FullAttentionSpec,
+        MLAAttentionSpec,
+        SlidingWindowMLASpec,
+        SlidingWindowSpec,
+    )
+
+    common = dict(block_size=block_size, num_kv_heads=1, head_size=64, dtype=torch.bfloat16)
+    if kind == "full":
+        return FullAttentionSpec(**common)
+    if kind == "mla":
+        return MLAAttentionSpec(**common)
+    if kind == "sliding":
+        return SlidingWindowSpec(**common, sliding_window=extent)
+    if kind == "sliding_mla":
+        return SlidingWindowMLASpec(**common, sliding_window=extent)
+    if kind == "chunked":
+        return ChunkedLocalAttentionSpec(**common, attention_chunk_size=extent)
+    raise ValueError(kind)
+
+
+# Speculative methods the simulation drives, and how a V1-runner deployment runs each: CPU n-gram cannot run under
+# async scheduling (vLLM turns it off: synchronous engine, drafts handed over by `update_draft_token_ids` after each
+# step); GPU n-gram, a draft model and EAGLE run under async scheduling (AsyncScheduler, placeholder drafts). A draft
+# model and EAGLE also reserve `num_speculative_tokens` lookahead slots past the scheduled tokens; EAGLE drops the last
+# block of every local prefix-cache hit and reads one prefill token ahead. vLLM refuses EAGLE next to chunked local
+# attention in a hybrid layout.
+SPEC_METHODS = {"ngram": False, "ngram_gpu": True, "draft_model": True, "eagle": True}  # method -> async scheduling
+
+
+def attach_speculative_config(vllm_config: Any, method: str, num_speculative_tokens: int) -> Any:
+    """Give `vllm_config` the SpeculativeConfig a deployment with `--speculative-config` would have.
+
+    Built offline (n-gram needs no draft model; the draft-model and EAGLE methods draft with the bundled tiny-llama
+    config, which only has to resolve: the simulated layout carries no draft layers).
+    The scheduler and the connector read it through VllmConfig's properties (`num_speculative_tokens`,
+    `num_lookahead_tokens`, `max_in_flight_tokens`), so attaching it before the Scheduler is built is enough.
+    """
+    from vllm.config import SpeculativeConfig
+
+    from offload_bench.sim.layouts import model_dir
+
+    if method not in SPEC_METHODS:
+        raise ValueError(f"speculative method {method!r} is not simulated; use one of {sorted(SPEC_METHODS)}")
+    kw: dict[str, Any] = dict(method=method, num_speculative_tokens=num_speculative_tokens,
+                              target_model_config=vllm_config.model_config,
+                              target_parallel_config=vllm_config.parallel_config)
+    if method in ("ngram", "ngram_gpu"):
+        kw.update(prompt_lookup_max=4, prompt_lookup_min=2)
+    else:
+        kw["model"] = model_dir("tiny-llama")
+    vllm_config.speculative_config = SpeculativeConfig(**kw)
+    assert vllm_config.num_speculative_tokens == num_speculative_tokens
+    return vllm_config.speculative_config
+
+
+def build_custom(groups: Sequence[GroupDesc], *, num_blocks: int, max_num_batched_tokens: int, max_model_len: int,
+                 kv_transfer_config: Any, scheduler_cls: type | None = None, num_speculative_tokens: int = 0,
+                 spec_method: str = "ngram") -> tuple[Any, int]:
+    """A real scheduler over a hand-built layout. Returns (scheduler, hash_block_size).
+
+    Without speculative decoding: the plain `Scheduler` over an async-scheduling config (the driver keeps a 2-deep
+    batch queue). With `num_speculative_tokens` > 0: the engine vLLM would run for `spec_method` (see SPEC_METHODS):
+    `Scheduler` with async scheduling off for CPU n-gram, `AsyncScheduler` otherwise.
+    """
+    from vllm.v1.core.sched.async_scheduler import AsyncScheduler
+    from vllm.v1.core.sched.scheduler import Scheduler
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
+    from vllm.v1.structured_output import StructuredOutputManager
+
+    async_scheduling = SPEC_METHODS[spec_method] if num_speculative_tokens else True
+    vc = build_vllm_config("tiny-llama", max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens,
+                           num_gpu_blocks=num_blocks, kv_transfer_config=kv_transfer_config,
+                           max_num_seqs=min(64, max_num_batched_tokens), async_scheduling=async_scheduling)
+    if num_speculative_tokens:
+        attach_speculative_config(vc, spec_method, num_speculative_tokens)
+        if scheduler_cls is None:
+            scheduler_cls = AsyncScheduler if async_scheduling else Scheduler
+    specs = [KVCacheGroupSpec([f"layers.{i}.attn"], make_spec(*g)) for i, g in enumerate(groups)]
+    sizes = [g[1] for g in groups]
+    sched_bs, hash_bs = math.lcm(*sizes), math.gcd(*sizes)
+    kc = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=specs)
+    if hasattr(kc, "hash_block_size"):
+        kc.hash_block_size = hash_bs
+    vc.cache_config.num_gpu_blocks = num_blocks
+    cls = scheduler_cls or Scheduler
+    sched = cls(vllm_config=vc, kv_cache_config=copy.deepcopy(kc), structured_output_manager=StructuredOutputManager(vc),
+                block_size=sched_bs, hash_block_size=hash_bs)
+    return sched, hash_bs

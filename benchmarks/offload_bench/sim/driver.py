@@ -1,0 +1,312 @@
+"""Drive vLLM's real `Scheduler` on CPU with a simulated model and a simulated copy engine for our connector.
+
+The model is simulated by handing the scheduler one sampled token per request whose prompt is done (token 7), plus,
+under speculative decoding, a random number (0..scheduled) of its scheduled draft tokens accepted: vLLM rolls the
+rejected ones back out of `num_computed_tokens`, as it does for a real engine. Drafts reach the scheduler as they do
+from EngineCore: a synchronous engine hands them over with `update_draft_token_ids` after each step's output; under
+async scheduling `AsyncScheduler` schedules placeholder drafts itself and the worker fills them in. Our connector's
+worker side is the real one (`OffloadWorker` and its `TransferEngine`), fed each step's metadata as vLLM's model
+runner feeds it, over a simulated copy backend that moves *tags* instead of KV bytes (`sim.tagcopy.TagCopier`):
+every GPU block a step computes gets the tag (group, block hash) of the tokens it holds, stores copy tags to host
+slots, loads copy them back, and when a load lands every block of the request's restore range must carry the tag of
+its own tokens. That checks the load and store plans, and the worker, end to end without a GPU.
+"""
+
+from __future__ import annotations
+
+import random
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Any, Callable, Iterable
+
+from offload_bench.sim.tagcopy import TagCopier, build_worker
+
+
+class LoadContentError(AssertionError):
+    pass
+
+
+@dataclass
+class StepRecord:
+    step: int
+    scheduled_tokens: int
+    running: int
+    waiting: int
+    free_blocks: int
+    transfers_in_flight: bool
+
+    @property
+    def idle_while_waiting(self) -> bool:
+        """The stall signature: nothing scheduled, requests waiting, and nothing in flight that could change it."""
+        return self.scheduled_tokens == 0 and self.waiting > 0 and not self.transfers_in_flight
+
+
+@dataclass
+class DriveResult:
+    steps: int
+    stalled: bool
+    first_stall_step: int | None
+    zero_token_steps_idle: int  # steps with 0 tokens while requests wait and nothing is in flight
+    finished: set[str]
+    history: list[StepRecord] = field(default_factory=list)
+
+
+class SchedulerDriver:
+    """Steps a real vLLM scheduler. With `engine` (the simulated copy backend; None for other connectors) our
+    connector's real worker side runs over it: `worker`."""
+
+    def __init__(self, scheduler: Any, engine: TagCopier | None = None, check_loads: bool = True,
+                 record: bool = False, batch_depth: int | None = None, spec_seed: int = 0,
+                 peaks: Any = None, record_admissions: bool = True) -> None:
+        self.sched = scheduler
+        self.peaks = peaks  # a sim.peaks.PeakChecker: reservations against blocks held, around every schedule()
+        cfg = scheduler.vllm_config
+        if batch_depth is None:
+            # EngineCore keeps max_concurrent_batches batches in flight under async scheduling.
+            batch_depth = getattr(cfg, "max_concurrent_batches", 1) if cfg.scheduler_config.async_scheduling else 1
+        self.batch_depth = max(1, batch_depth)
+        self._queue: deque[tuple[Any, list[str], list[list[int]], dict[str, Any]]] = deque()
+        self.engine = engine
+        self.check_loads = check_loads
+        self.record = record
+        self.step_no = 0
+        self.finished: set[str] = set()
+        self.history: list[StepRecord] = []
+        conn = scheduler.get_kv_connector()
+        self.side = getattr(conn, "scheduler_side", None)
+        if self.side is not None and record_admissions:
+            # Simulations compare each admission's ledger prediction with vLLM's allocation (`side.admissions`).
+            self.side.record_admissions()
+        self.worker = build_worker(engine, scheduler) if engine is not None and self.side is not None else None
+        self.delayed_free: set[str] = set()  # finished requests whose finished_sending the worker has not reported
+        # Speculative decoding: how many drafts the proposer offers and the target accepts is random (seeded).
+        self.num_spec_tokens = int(getattr(scheduler, "num_spec_tokens", 0) or 0)
+        self._spec_rng = random.Random(spec_seed)
+        # Under async scheduling the scheduler schedules placeholder drafts itself (AsyncScheduler); a synchronous
+        # engine feeds the proposer's drafts after each step (EngineCore.post_step).
+        self.feeds_drafts = self.num_spec_tokens > 0 and not cfg.scheduler_config.async_scheduling
+        self.drafts_scheduled = 0
+        self.drafts_accepted = 0
+        self._tagged: dict[str, list[int]] = {}  # per request, per group: blocks [0, n) already tagged
+        self._settled: dict[str, int] = {}  # per request: tokens whose KV applied batches have computed
+
+    # ------------------------------------------------------------------ helpers
+    @property
+    def pool(self) -> Any:
+        return self.sched.kv_cache_manager.block_pool
+
+    def managers(self) -> list[Any]:
+        return list(self.sched.kv_cache_manager.coordinator.single_type_managers)
+
+    def add(self, requests: Iterable[Any]) -> None:
+        for r in requests:
+            self.sched.add_request(r)
+
+    def _write_computed_tags(self, out: Any) -> None:
+        if self.engine is None or self.side is None:
+            return
+        for rid, n in out.num_scheduled_tokens.items():
+            req = self.sched.requests[rid]
+            after = req.num_computed_tokens  # schedule() already advanced it
+            before = after - n
+            keys = self.side.layout.keys(req)
+            # A block whose KV was computed before its tokens were known (an accepted draft, or an async placeholder)
+            # gets its hash only later: tag from the first block not yet tagged, not only from this step's start.
+            marks = self._tagged.get(rid)
+            if marks is None:  # blocks below the first scheduled token came from a prefix hit or a load
+                marks = self._tagged[rid] = [before // g.block_size for g in self.side.groups]
+            for g, mgr in zip(self.side.groups, self.managers()):
+                blocks = mgr.req_to_blocks.get(rid, [])
+                last = min(min(after, keys.hashed_tokens()) // g.block_size, len(blocks))
+                for i in range(min(before // g.block_size, marks[g.index]), last):
+                    if not blocks[i].is_null:
+                        self.engine.gpu[blocks[i].block_id] = keys(g.index, i)
+                marks[g.index] = last
+
+    def _write_settled_tags(self, out: Any, reqs: dict[str, Any], live: set[str]) -> None:
+        """Tag blocks whose KV an applied batch computed before their tokens were known.
+
+        Under async scheduling a block's last positions can be computed (as placeholders or accepted drafts) before
+        its tokens, and so its hash, exist; the request may finish without being scheduled again, and its stores
+        read that block. Once the batch's output is applied the hash exists: tag every block the settled tokens
+        cover. For a request vLLM still tracks that is computed minus still in flight (rejected drafts rolled
+        back). A request that finished while this batch was in flight is skipped by vLLM, but the batch still ran
+        its rows on the GPU, at the positions the worker corrected for earlier rejections: its first row (the last
+        sampled token) is valid KV, its drafts are not. Freed blocks are not touched.
+        """
+        if self.engine is None or self.side is None:
+            return
+        managers = self.managers()
+        spec = getattr(out, "scheduled_spec_decode_tokens", None) or {}
+        for rid, req in reqs.items():
+            marks = self._tagged.get(rid)
+            if marks is None:
+                continue
+            if rid in live:
+                settled = max(0, req.num_computed_tokens - getattr(req, "num_in_flight_tokens", 0))
+            else:
+                settled = self._settled.get(rid, 0) + out.num_scheduled_tokens[rid] - len(spec.get(rid, ()))
+            self._settled[rid] = settled
+            keys = self.side.layout.keys(req)
+            for g, mgr in zip(self.side.groups, managers):
+                blocks = mgr.req_to_blocks.get(rid, [])
+                last = min(min(settled, keys.hashed_tokens()) // g.block_size, len(blocks))
+                for i in range(marks[g.index], last):
+                    if not blocks[i].is_null:
+                        self.engine.gpu[blocks[i].block_id] = keys(g.index, i)
+                marks[g.index] = max(marks[g.index], last)
+
+    def _verify_loaded(self, rids: set[str]) -> None:
+        if not (self.check_loads and self.engine is not None and self.side is not None):
+            return
+        for rid in rids:
+            req = self.sched.requests.get(rid)
+            if req is None:
+                continue
+            hit = req.num_computed_tokens
+            keys = self.side.layout.keys(req)
+            for g, mgr in zip(self.side.groups, self.managers()):
+                blocks = mgr.req_to_blocks.get(rid, [])
+                for i in g.restore_range(hit):
+                    tag = self.engine.gpu.get(blocks[i].block_id)
+                    if tag != keys(g.index, i):
+                        raise LoadContentError(
+                            f"{rid}: group {g.index} block {i} (gpu {blocks[i].block_id}) holds {tag!r} after load")
+
+    # --------------------------------------------------------------------- step
+    def step(self) -> StepRecord:
+        """One engine step. With `batch_depth` 2 (async scheduling, as EngineCore's batch queue runs it) the next
+        batch is scheduled before the previous one's output is applied."""
+        self.step_no += 1
+        if self.peaks is not None and self.side is not None:
+            self.peaks.before_schedule(self.sched, self.side)
+        out = self.sched.schedule()
+        if self.peaks is not None and self.side is not None:
+            self.peaks.after_schedule(self.sched, self.side, self.step_no)
+        if self.worker is not None and out.kv_connector_metadata is not None:
+            # As the model runner: handle_preemptions (the fences), then start_load_kv (this step's stores, loads).
+            meta = out.kv_connector_metadata
+            self.engine.expect(meta, self.step_no)
+            self.worker.fence(meta)
+            self.worker.start(meta)
+            self.engine.check_issued()
+            self.delayed_free.update(meta.delayed_free)
+        self._write_computed_tags(out)
+        req_ids = list(out.num_scheduled_tokens)
+        sampled = []
+        spec = getattr(out, "scheduled_spec_decode_tokens", None) or {}
+        for rid in req_ids:
+            req = self.sched.requests[rid]
+            if req.num_computed_tokens < req.num_tokens:
+                sampled.append([])  # a prefill chunk short of the prompt's end samples nothing
+                continue
+            drafts = len(spec.get(rid, ()))
+            accepted = self._spec_rng.randint(0, drafts) if drafts else 0
+            self.drafts_scheduled += drafts
+            self.drafts_accepted += accepted
+            sampled.append([7] * (1 + accepted))  # accepted drafts, then the bonus token
+        # Whether a transfer was in flight during this step (measured before this step's completions land). A load
+        # whose completion vLLM was told about but has not processed (its queue scan broke before reaching it) is
+        # not in flight, so a wedged scheduler reads as idle. Blocks of finished requests that wait only for their
+        # store's hand-off come back on their own, so that counts as in flight.
+        landed = getattr(self.sched, "finished_recving_kv_req_ids", set())
+        conn = self.sched.get_kv_connector()
+        in_flight = self._transfers_pending() or any(
+            r.status.name == "WAITING_FOR_REMOTE_KVS" and r.request_id not in landed
+            for r in self.sched.requests.values()) or (conn is not None and conn.has_pending_push_work())
+        self._queue.append((out, req_ids, sampled, {rid: self.sched.requests[rid] for rid in req_ids}))
+        in_flight = in_flight or len(self._queue) > 1  # an earlier batch was still executing during this one
+        # A full queue waits for its oldest batch; an empty step has nothing to overlap, so everything lands.
+        while self._queue and (len(self._queue) >= self.batch_depth or out.total_num_scheduled_tokens == 0):
+            self._apply_oldest()
+        rec = StepRecord(self.step_no, out.total_num_scheduled_tokens, len(self.sched.running),
+                         len(self.sched.waiting) + len(getattr(self.sched, "kv_holding_waiting", ()) or ()),
+                         self.pool.get_num_free_blocks(), in_flight)
+        if self.record:
+            self.history.append(rec)
+        return rec
+
+    def _apply_oldest(self) -> None:
+        from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+
+        out, req_ids, sampled, reqs = self._queue.popleft()
+        kv_out = None
+        recving: set[str] = set()
+        failed: set[str] = set()
+        if self.worker is not None:
+            # The copies due by the end of this batch land; then what the model runner asks the connector for.
+            self.engine.advance(self.step_no)
+            sending, recving, failed = self.worker.transfer_results()
+            wmeta = self.worker.worker_meta()
+            self.worker.take_stats()  # vLLM takes the worker's stats every step; nothing reads them here
+            self.delayed_free -= sending
+            kv_out = KVConnectorOutput(finished_sending=sending or None, finished_recving=recving or None,
+                                       kv_connector_worker_meta=wmeta)
+            if failed:
+                kv_out.failed_recving = failed
+        mro = ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
+                                sampled_token_ids=sampled, kv_connector_output=kv_out)
+        live = {rid for rid, req in reqs.items() if not req.is_finished()}
+        engine_outputs = self.sched.update_from_output(out, mro)
+        self._write_settled_tags(out, reqs, live)
+        for eco in engine_outputs.values():
+            for o in eco.outputs:
+                if o.finish_reason is not None:
+                    self.finished.add(o.request_id)
+        pending = {rid for queued in self._queue for rid in queued[1]}
+        for rid, req in reqs.items():
+            if req.is_finished() and rid not in pending:
+                self._tagged.pop(rid, None)
+                self._settled.pop(rid, None)
+        self._verify_loaded(recving - failed)
+        if self.feeds_drafts and req_ids:
+            self._propose_drafts(req_ids)
+
+    def _propose_drafts(self, req_ids: list[str]) -> None:
+        """What a synchronous EngineCore does after each step: hand the proposer's drafts to the scheduler.
+
+        The n-gram proposer offers up to `num_speculative_tokens` drafts per request of the batch (none when it finds
+        no match); the scheduler ignores drafts for requests still in a prefill chunk. Every token is 7, like the
+        simulated model's samples, so accepted drafts leave the same history a plain decode would.
+        """
+        from vllm.v1.outputs import DraftTokenIds
+
+        k = self.num_spec_tokens
+        drafts = [[7] * self._spec_rng.choice((0, k, k, self._spec_rng.randint(0, k))) for _ in req_ids]
+        self.sched.update_draft_token_ids(DraftTokenIds(req_ids=list(req_ids), draft_token_ids=drafts))
+
+    def run(self, max_steps: int = 100_000, stall_steps: int = 50,
+            until: Callable[["SchedulerDriver"], bool] | None = None) -> DriveResult:
+        zero_run = 0
+        zero_idle_total = 0
+        first_stall = None
+        while self.step_no < max_steps:
+            if until is not None and until(self):
+                break
+            if until is None and not self.busy():
+                break
+            rec = self.step()
+            if rec.idle_while_waiting:
+                zero_run += 1
+                zero_idle_total += 1
+                if zero_run >= stall_steps:
+                    first_stall = rec.step - stall_steps + 1
+                    return DriveResult(self.step_no, True, first_stall, zero_idle_total, self.finished,
+                                       self.history)
+            else:
+                zero_run = 0
+        return DriveResult(self.step_no, False, None, zero_idle_total, self.finished, self.history)
+
+    def busy(self) -> bool:
+        """Whether stepping can still change anything: requests, transfers, or connector work not yet issued."""
+        conn = self.sched.get_kv_connector()
+        return bool(self._queue or self.sched.has_unfinished_requests() or self._transfers_pending()
+                    or (conn is not None and conn.has_pending_push_work()))
+
+    def _transfers_pending(self) -> bool:
+        """Whether the worker has copies issued and not yet reported."""
+        return self.worker is not None and self.worker.engine is not None and self.worker.engine.pending() > 0
+
+    def idle_invariant(self) -> bool:
+        return (not self.sched.has_unfinished_requests()
+                and self.pool.get_num_free_blocks() == self.sched.kv_cache_config.num_blocks - 1)

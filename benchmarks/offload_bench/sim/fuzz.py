@@ -1,0 +1,173 @@
+"""Random scenarios over random layouts, checked step by step (shared by the property tests and the benchmark)."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass, field
+
+from offload_bench.sim.custom import GroupDesc, build_custom, cold_need
+from offload_bench.sim.driver import LoadContentError, SchedulerDriver
+from offload_bench.sim.peaks import PeakChecker
+from offload_bench.sim.requests import make_request, tokens
+from offload_bench.sim.scenarios import connector_config
+from offload_bench.sim.tagcopy import TagCopier
+
+
+@dataclass(frozen=True)
+class FuzzCase:
+    groups: tuple[GroupDesc, ...]
+    max_num_batched_tokens: int
+    pool_factor: float  # pool = factor x the largest single request's cold need
+    sessions: tuple[tuple[int, int, int, int], ...]  # (first prompt, max_tokens, kept prefix, new tokens)
+    reset_prefix_cache: bool
+    return_gaps: tuple[int, ...]  # steps between returning arrivals
+    latency_steps: int
+    seed: int
+    num_spec_tokens: int = 0  # speculative decoding: drafts per step (0: off)
+    spec_method: str = "ngram"  # see custom.SPEC_METHODS: ngram (sync engine), ngram_gpu, draft_model, eagle (async)
+
+
+@dataclass
+class FuzzOutcome:
+    mismatches: list[str] = field(default_factory=list)
+    peak_violations: list[str] = field(default_factory=list)  # a request held more blocks than reserved
+    loads_peak_checked: int = 0
+    stalls: int = 0
+    idle_zero_steps: int = 0
+    undrained: int = 0
+    admissions: int = 0
+    loaded_tokens: int = 0
+    drafts_scheduled: int = 0
+    drafts_accepted: int = 0
+    deferrals: int = 0
+    too_big: int = 0  # hits that could not fit even in an idle pool (recomputed)
+
+    @property
+    def ok(self) -> bool:
+        return not (self.mismatches or self.peak_violations or self.stalls or self.idle_zero_steps
+                    or self.undrained)
+
+
+MAX_MODEL_LEN = 8192
+SPEC_TOKENS = (0, 1, 2, 4, 7)
+SPEC_METHODS = ("ngram", "ngram_gpu", "draft_model", "eagle")
+
+
+def spec_methods_for(groups) -> tuple[str, ...]:
+    """vLLM refuses EAGLE with chunked local attention in a hybrid layout."""
+    if any(kind == "chunked" for kind, _, _ in groups):
+        return tuple(m for m in SPEC_METHODS if m != "eagle")
+    return SPEC_METHODS
+
+
+def lookahead_tokens(case: FuzzCase) -> int:
+    """KV slots vLLM reserves past the scheduled tokens (`VllmConfig.num_lookahead_tokens`): k for a drafter with its
+    own forward pass (draft model, EAGLE), none for n-gram."""
+    return case.num_spec_tokens if case.spec_method in ("draft_model", "eagle") else 0
+
+
+def random_case(rng: random.Random) -> FuzzCase:
+    kinds = ["full", "mla", "sliding", "sliding_mla", "chunked"]
+    n_groups = rng.randint(1, 4)
+    groups = []
+    for _ in range(n_groups):
+        kind = rng.choice(kinds)
+        bs = rng.choice([16, 32, 64])
+        extent = 0
+        if kind in ("sliding", "sliding_mla"):
+            extent = rng.choice([16, 48, 64, 128, 257, 512])
+        elif kind == "chunked":
+            extent = bs * rng.choice([2, 4, 8])
+        groups.append((kind, bs, extent))
+    if any(k == "chunked" for k, _, _ in groups):
+        # vLLM supports chunked local attention only when every group has the same block size. Chunks that are not
+        # a multiple of the block (100 tokens over blocks of 24) put the chunk start inside a block.
+        bs = rng.choice([groups[0][1], 24])
+        groups = [(k, bs, _chunk(rng, bs) if k == "chunked" else e) for k, _, e in groups]
+    # vLLM's hybrid coordinator wants at least one full-attention-like group to anchor prefix hits.
+    if not any(k in ("full", "mla") for k, _, _ in groups) and rng.random() < 0.7:
+        groups[0] = ("full", groups[0][1], 0)
+    sessions = []
+    for _ in range(rng.randint(1, 5)):
+        first = rng.randint(40, 3000)
+        sessions.append((first, rng.randint(1, 6), rng.randint(0, first + 6), rng.randint(1, 1200)))
+    return FuzzCase(
+        groups=tuple(groups), max_num_batched_tokens=rng.choice([64, 128, 256, 512]),
+        pool_factor=rng.uniform(1.05, 3.0), sessions=tuple(sessions), reset_prefix_cache=rng.random() < 0.7,
+        return_gaps=tuple(rng.choice([0, 0, 1, 3, 10]) for _ in sessions), latency_steps=rng.randint(1, 4),
+        seed=rng.randrange(1 << 30), num_spec_tokens=rng.choice(SPEC_TOKENS),
+        spec_method=rng.choice(spec_methods_for(groups)))
+
+
+def _chunk(rng: random.Random, block_size: int) -> int:
+    if rng.random() < 0.3:
+        return rng.choice([40, 72, 100, 3 * block_size // 2 + 4])
+    return block_size * rng.choice([2, 4, 8])
+
+
+def _cold_need(case: FuzzCase, length: int, in_flight: int) -> int:
+    # The first decode step takes 1 + k slots (+ lookahead) past the prompt.
+    return cold_need(case.groups, length + case.num_spec_tokens + lookahead_tokens(case), in_flight)
+
+
+def run_case(case: FuzzCase, max_steps: int = 20_000) -> FuzzOutcome:
+    outcome = FuzzOutcome()
+    longest = max(max(first + mt, keep + new + mt) for first, mt, keep, new in case.sessions)
+    num_blocks = int(_cold_need(case, longest, 2 * case.max_num_batched_tokens) * case.pool_factor) + 2
+    sched, hash_bs = build_custom(case.groups, num_blocks=num_blocks,
+                                  max_num_batched_tokens=case.max_num_batched_tokens, max_model_len=MAX_MODEL_LEN,
+                                  kv_transfer_config=connector_config("exact", 1 << 40),
+                                  num_speculative_tokens=case.num_spec_tokens, spec_method=case.spec_method)
+    peaks = PeakChecker()
+    drv = SchedulerDriver(sched, TagCopier(case.latency_steps), spec_seed=case.seed, peaks=peaks)
+    base = [tokens(case.seed + s, first) for s, (first, _, _, _) in enumerate(case.sessions)]
+    drv.add([make_request(f"w{s}", base[s], mt, hash_bs) for s, (_, mt, _, _) in enumerate(case.sessions)])
+    try:
+        res = drv.run(max_steps=max_steps, stall_steps=20)
+        outcome.stalls += res.stalled
+        outcome.idle_zero_steps += res.zero_token_steps_idle
+        if case.reset_prefix_cache:
+            sched.reset_prefix_cache()
+        returning = []
+        for s, (first, mt, keep, new) in enumerate(case.sessions):
+            warm = sched.requests.get(f"w{s}")
+            history = base[s] + [7] * mt  # the simulated model samples token 7
+            prompt = history[:keep] + tokens(case.seed + 1000 + s, new)
+            returning.append(make_request(f"r{s}", prompt, mt, hash_bs))
+            del warm
+        pending = list(zip(case.return_gaps, returning))
+        while pending or drv.busy():
+            if drv.step_no >= max_steps:
+                break
+            if pending and pending[0][0] <= 0:
+                drv.add([pending.pop(0)[1]])
+                continue
+            if pending:
+                pending[0] = (pending[0][0] - 1, pending[0][1])
+            rec = drv.step()
+            if rec.idle_while_waiting:
+                outcome.idle_zero_steps += 1
+    except LoadContentError as err:
+        outcome.mismatches.append(f"content: {err}")
+    side = drv.side
+    for adm in side.admissions:
+        outcome.admissions += 1
+        if adm.free_after is None:
+            continue  # vLLM itself refused the allocation after our verdict; nothing was taken
+        if adm.free_before - adm.free_after != sum(adm.plan.now):
+            outcome.mismatches.append(f"{adm.request_id}: took {adm.free_before - adm.free_after} blocks, "
+                                      f"predicted {sum(adm.plan.now)} {adm.plan.now}")
+        if adm.entries_after != adm.plan.entries or adm.live_after != adm.plan.live:
+            outcome.mismatches.append(f"{adm.request_id}: per-group entries/live {adm.entries_after}/"
+                                      f"{adm.live_after}, predicted {adm.plan.entries}/{adm.plan.live}")
+    peaks.close()
+    outcome.peak_violations = peaks.violations
+    outcome.loads_peak_checked = peaks.loads_checked
+    outcome.loaded_tokens = side.counters.loaded_tokens
+    outcome.deferrals = side.counters.deferrals
+    outcome.too_big = side.counters.too_big
+    outcome.drafts_scheduled = drv.drafts_scheduled
+    outcome.drafts_accepted = drv.drafts_accepted
+    if not drv.idle_invariant():
+        outcome.undrained += 1
+    return outcome

@@ -1,0 +1,293 @@
+"""The simulated copy backend, and the real worker built over it.
+
+`TagCopier` is a `kernels.BlockCopier` like the byte-moving backends, driven by the connector's real worker
+(`worker.side.OffloadWorker` and its `TransferEngine`), but it moves *tags* instead of KV bytes: `gpu[block]` and
+`host[slot]` hold the tag (group, block hash) of the tokens whose KV the block or slot holds. The driver writes the
+tags of every block a step computes (`sim.driver`); a store copies its GPU blocks' tags to its host slots, a load
+copies its host slots' tags into its GPU blocks, and when a load lands the driver checks that every block of the
+request's restore range holds the tag of its own tokens. Nothing is allocated: `build_worker` registers meta-device
+KV caches and a meta-device host tier, so a 40 GiB tier over 2,188 blocks of 2.5 MiB costs nothing.
+
+A copy is issued when the worker calls `copy()` and lands when the simulation reaches its due time (`advance`): a
+fixed number of steps after the step that issued it (`StepTiming`, per direction), or when its bytes have crossed a
+simulated link (replay's `ClockTiming`). Until then `query()` is false, as for a CUDA copy still running. A host
+`wait()` (the worker waiting for a fenced store, or for a store that still reads a load's destination blocks) reads
+the copy's source at once, as the real copy has by the time the wait returns, and takes no simulated time: the copy
+still lands, and is reported, at its due time. Fault injection: a job may fail (`fail_store` / `fail_load`, decided
+when it is issued): it writes nothing and lands with `Completion.error` set, which the worker reports like a copy
+that failed (`stores_failed`, `failed_recving`); a held job (`hold_loads` / `hold_stores`, `hold`) stays in flight
+until `release`.
+
+The copier sees per-group (host slot, GPU block) ids, not jobs. Fault injection and holds are decided per job, so the
+driver hands it each step's jobs (`expect`) before the worker issues them: the worker issues a step's stores, then
+its loads, in the metadata's order, and each copy is checked against the job it is taken for.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import Counter, deque
+from dataclasses import dataclass
+from typing import Any, Callable, Hashable, Sequence
+
+import numpy as np
+import torch
+
+from offload_connector.kernels.api import BlockCopier, Completion, TensorLayout, _check_page_view
+from offload_connector.metadata import OffloadMetadata, TransferJob
+
+HELD = 1 << 60  # due time of a held job
+
+
+class StepTiming:
+    """Jobs land `load_latency` / `store_latency` steps after the step that issued them."""
+
+    def __init__(self, load_latency: int = 1, store_latency: int = 1) -> None:
+        self.load_latency = load_latency
+        self.store_latency = store_latency
+
+    def due(self, job: TransferJob, is_load: bool, step: int) -> float:
+        return step + (self.load_latency if is_load else self.store_latency)
+
+    def now(self, step: int) -> float:
+        return step
+
+
+@dataclass
+class TagOp:
+    """One issued copy: its job, when it lands, and the (host slot, GPU block) pairs it was given."""
+    due: float
+    job: TransferJob
+    is_load: bool
+    pairs: list[tuple[int, int]]
+    failed: bool = False
+    captured: list[Hashable] | None = None  # a store's source tags, read early by a host wait
+    landed: bool = False
+
+
+class TagCompletion(Completion):
+    def __init__(self, copier: "TagCopier", op: TagOp) -> None:
+        super().__init__(None)
+        self._copier = copier
+        self.op = op
+
+    def query(self) -> bool:
+        return self.op.landed
+
+    def wait(self) -> None:
+        self._copier._read_source(self.op)
+
+    def order_before(self, stream: Any) -> None:
+        self.wait()  # no streams here: ordered on the host, as the worker does for a copy not issued yet
+
+    @property
+    def error(self) -> str | None:  # type: ignore[override]
+        return "injected failure (simulated backend)" if self.op.landed and self.op.failed else None
+
+
+class TagCopier(BlockCopier):
+    """Simulated copy backend (see the module doc). `load_latency` / `store_latency` (steps; store defaults to load)
+    or `timing` decide when a copy lands; `fail_store(job)` / `fail_load(job)` whether it fails; `hold_loads` /
+    `hold_stores` hold every job of that direction issued from now on until `release`. `log_jobs`: keep every landed
+    job in `completed` (tests; off for hour-long runs)."""
+
+    name = "sim-tags"
+
+    def __init__(self, load_latency: int = 1, store_latency: int | None = None, *,
+                 timing: Any = None,
+                 fail_store: Callable[[TransferJob], bool] | None = None,
+                 fail_load: Callable[[TransferJob], bool] | None = None,
+                 hold_loads: bool = False, hold_stores: bool = False, log_jobs: bool = True) -> None:
+        # Not BlockCopier.__init__: the layout comes later, from the worker (`bind`), as meta-device views.
+        self.timing = timing or StepTiming(load_latency, load_latency if store_latency is None else store_latency)
+        self.fail_store = fail_store
+        self.fail_load = fail_load
+        self.hold_loads = hold_loads
+        self.hold_stores = hold_stores
+        self.log_jobs = log_jobs
+        self.layouts: list[TensorLayout] = []
+        self.segments: list[list[int]] = []
+        self.device = torch.device("meta")
+        self.gpu: dict[int, Hashable] = {}
+        self.host: dict[int, Hashable] = {}
+        self.inflight: deque[TagOp] = deque()  # issued, not landed, in issue order
+        self.loads_done = 0
+        self.stores_done = 0
+        self.loads_failed = 0
+        self.stores_failed = 0
+        self.fenced = 0
+        self.completed: list[tuple[float, str, TransferJob, bool]] = []  # (landed at, kind, job, ok)
+        self._step = 0
+        self._expected: dict[str, deque[TransferJob]] = {"d2h": deque(), "h2d": deque()}
+        self._refused: list[str] = []
+
+    # ----------------------------------------------------------------- layout
+    def bind(self, device_pages: Sequence[torch.Tensor], host_pages: Sequence[torch.Tensor],
+             segments: Sequence[Sequence[int]]) -> "TagCopier":
+        """Take the worker's page views (meta-device tensors: only their shapes are read) and segments; this is
+        the copier factory the worker calls (`build_worker`)."""
+        if len(device_pages) != len(host_pages):
+            raise ValueError(f"device_pages has {len(device_pages)} tensors but host_pages has {len(host_pages)}")
+        layouts = []
+        for t, (d, h) in enumerate(zip(device_pages, host_pages)):
+            _check_page_view(d, f"device_pages[{t}]")
+            _check_page_view(h, f"host_pages[{t}]")
+            layouts.append(TensorLayout(page_bytes=int(d.shape[1]), device_blocks=int(d.shape[0]),
+                                        host_blocks=int(h.shape[0]), device_stride=int(d.stride(0)),
+                                        host_stride=int(h.stride(0))))
+        self.layouts, self.segments = layouts, [[int(t) for t in seg] for seg in segments]
+        self.device_pages, self.host_pages = list(device_pages), list(host_pages)
+        return self
+
+    # ------------------------------------------------------------------- jobs
+    def expect(self, meta: OffloadMetadata, step: int) -> None:
+        """The jobs the worker is about to issue for this step (its stores, then its loads, in this order)."""
+        self._step = step
+        self._expected = {"d2h": deque(meta.stores), "h2d": deque(meta.loads)}
+        if meta.store_fences:
+            self.fenced += len(set(meta.store_fences))
+
+    def check_issued(self) -> None:
+        """After the worker's `start`: every job was issued, as the copy it stands for. The worker reports a copy that
+        raised as a failed job and serves on, so a copy this backend refused is raised here instead."""
+        refused, self._refused = self._refused, []
+        if refused:
+            raise AssertionError("; ".join(refused))
+        left = [j.job_id for q in self._expected.values() for j in q]
+        if left:
+            raise AssertionError(f"the worker did not issue jobs {left} of step {self._step}")
+
+    def copy(self, direction: Any, ids: Sequence[object], stream: Any = None) -> Completion:
+        try:
+            return super().copy(direction, ids, stream)  # the real backends' id checks, then `_copy`
+        except Exception as exc:
+            self._refused.append(f"step {self._step}: {direction} copy refused: {exc}")
+            raise
+
+    def _copy(self, direction: str, ids: list[tuple[np.ndarray, np.ndarray] | None], stream: Any) -> Completion:
+        queue = self._expected[direction]
+        if not queue:
+            raise AssertionError(f"the worker issued a {direction} copy that no job explains")
+        job = queue.popleft()
+        pairs = [(int(h), int(d)) for entry in ids if entry is not None for h, d in zip(entry[0], entry[1])]
+        if Counter(pairs) != Counter(zip(job.host_slots, job.gpu_blocks)):
+            raise AssertionError(f"the copy for job {job.job_id} moves {sorted(pairs)}, the job "
+                                 f"{sorted(zip(job.host_slots, job.gpu_blocks))}")
+        is_load = direction == "h2d"
+        predicate = self.fail_load if is_load else self.fail_store
+        failed = predicate is not None and bool(predicate(job))
+        held = self.hold_loads if is_load else self.hold_stores
+        due = HELD if held else self.timing.due(job, is_load, self._step)
+        op = TagOp(due, job, is_load, pairs, failed)
+        self.inflight.append(op)
+        return TagCompletion(self, op)
+
+    def _read_source(self, op: TagOp) -> None:
+        """A host wait: the copy has read its source by the time it returns (a store's GPU blocks)."""
+        if not op.landed and not op.is_load and op.captured is None:
+            op.captured = [self.gpu.get(b) for _, b in op.pairs]
+
+    # ---------------------------------------------------------------- landing
+    def advance(self, step: int) -> None:
+        """Land every copy due by the simulation's time at `step` (the timing's `now`), in issue order."""
+        now = self.timing.now(step)
+        still: deque[TagOp] = deque()
+        for op in self.inflight:
+            if op.due > now:
+                still.append(op)
+            else:
+                self._land(op, now)
+        self.inflight = still
+
+    def _land(self, op: TagOp, now: float) -> None:
+        if op.failed:  # writes nothing
+            if op.is_load:
+                self.loads_failed += 1
+            else:
+                self.stores_failed += 1
+        elif op.is_load:
+            for slot, block in op.pairs:
+                self.gpu[block] = self.host.get(slot)
+            self.loads_done += 1
+        else:
+            data = op.captured or [self.gpu.get(b) for _, b in op.pairs]
+            for tag, (slot, _) in zip(data, op.pairs):
+                self.host[slot] = tag
+            self.stores_done += 1
+        op.landed = True
+        if self.log_jobs:
+            self.completed.append((now, "load" if op.is_load else "store", op.job, not op.failed))
+
+    # ---------------------------------------------------------------- control
+    def hold(self, job_ids: set[int]) -> None:
+        for op in self.inflight:
+            if op.job.job_id in job_ids:
+                op.due = HELD
+
+    def release(self, step: int, kind: str | None = None) -> None:
+        """Held jobs (of `kind`, or all) land at the next `advance` at or after `step`."""
+        if kind in (None, "load"):
+            self.hold_loads = False
+        if kind in (None, "store"):
+            self.hold_stores = False
+        for op in self.inflight:
+            if op.due == HELD and (kind is None or (kind == "load") == op.is_load):
+                op.due = step
+
+    def inflight_jobs(self, kind: str | None = None, request_id: str | None = None) -> list[TransferJob]:
+        return [op.job for op in self.inflight
+                if (kind is None or (kind == "load") == op.is_load)
+                and (request_id is None or op.job.request_id == request_id)]
+
+
+# ------------------------------------------------------------------------------------------- the worker
+@dataclass
+class MetaHostTier:
+    """A host tier that is never allocated: a meta-device (num_slots, slot_bytes) arena."""
+    tensor: torch.Tensor
+    pinned: bool = False
+
+
+def meta_host_tier(num_slots: int, slot_bytes: int, pin: bool) -> MetaHostTier:
+    return MetaHostTier(torch.empty((num_slots, slot_bytes), dtype=torch.uint8, device="meta"))
+
+
+def meta_kv_caches(kv_cache_config: Any) -> dict[str, torch.Tensor]:
+    """One (num_blocks, page_bytes) meta-device KV cache per layer of every group, each its own range of one meta
+    arena (meta tensors have no memory, but distinct offsets, which the worker's layout tells pages apart by)."""
+    num_blocks = int(kv_cache_config.num_blocks)
+    pages: list[tuple[str, int]] = []
+    for group in kv_cache_config.kv_cache_groups:
+        spec = group.kv_cache_spec
+        per_layer = getattr(spec, "kv_cache_specs", None) or {}
+        for name in group.layer_names:
+            pages.append((name, int((per_layer.get(name) or spec).page_size_bytes)))
+    arena = torch.empty(num_blocks * sum(p for _, p in pages), dtype=torch.uint8, device="meta")
+    caches: dict[str, torch.Tensor] = {}
+    offset = 0
+    for name, page in pages:
+        caches[name] = arena[offset:offset + num_blocks * page].view(num_blocks, page)
+        offset += num_blocks * page
+    return caches
+
+
+def build_worker(copier: TagCopier, scheduler: Any) -> Any:
+    """The connector's real worker side for `scheduler`'s KV cache, over `copier`, with nothing allocated.
+
+    Its config is the scheduler-side connector's, without the load deadline (`load_timeout_s` is wall-clock time,
+    which means nothing here; a simulated copy lands when the simulation says)."""
+    from offload_connector.worker.side import OffloadWorker
+
+    conn = scheduler.get_kv_connector()
+    config = dataclasses.replace(conn.offload_config, load_timeout_s=0.0)
+    kv_cache_config = scheduler.kv_cache_config
+    worker = OffloadWorker(config, scheduler.vllm_config, kv_cache_config,
+                           copier_factory=lambda backend, device_pages, host_pages, segments, *, device:
+                           copier.bind(device_pages, host_pages, segments),
+                           host_tier_factory=meta_host_tier)
+    worker.register_kv_caches(meta_kv_caches(kv_cache_config))
+    side = getattr(conn, "scheduler_side", None)
+    if side is not None and worker.host_tier.tensor.shape[0] != side.tier.capacity_slots:
+        raise AssertionError(f"worker host tier has {worker.host_tier.tensor.shape[0]} slots, the scheduler side "
+                             f"{side.tier.capacity_slots}")
+    return worker

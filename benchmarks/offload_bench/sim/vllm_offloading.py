@@ -1,0 +1,213 @@
+"""Drive vLLM's in-tree `OffloadingConnector` in the real scheduler on CPU, with only its copy engine simulated.
+
+The scheduler role is the real one (built by `Scheduler.__init__`). The worker role is the real
+`OffloadingConnector(role=WORKER)` with its real `OffloadingConnectorWorker`; only the object that would issue the
+CUDA copies (`OffloadingConnectorWorker.worker`, an `OffloadingWorker` from `vllm/v1/kv_offload/base.py`) is replaced
+by `FakeOffloadingWorker`, which keeps a FIFO per direction and reports each job finished `latency_steps` engine steps
+after it was submitted. `register_kv_caches` is never called (it needs the real KV tensors to derive the canonical
+layout); it would only have built that same `OffloadingWorker`.
+
+Each step replays the model runner's call order (gpu_model_runner.py / kv_connector_model_runner_mixin.py): the
+metadata is pickled as between processes, then `handle_preemptions`, `bind_connector_metadata`, `start_load_kv`,
+the (simulated) forward, `wait_for_save`, `get_transfer_results`, `build_connector_worker_meta`,
+`clear_connector_metadata`; outputs go through `KVOutputAggregator` as in the executor, then to
+`Scheduler.update_from_output`. No tags are copied: this is for driving and timing, not for checking contents.
+"""
+
+from __future__ import annotations
+
+import pickle
+from collections import deque
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable, Sequence
+
+from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
+from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
+from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
+from vllm.v1.kv_offload.base import OffloadingWorker, TransferResult
+from vllm.v1.outputs import ModelRunnerOutput
+
+__all__ = ["FakeOffloadingWorker", "VllmOffloadingWorkerSim", "VllmOffloadingDriver", "offloading_config"]
+
+
+def offloading_config(cpu_bytes_to_use: int, **extra: Any) -> Any:
+    """KVTransferConfig selecting vLLM's in-tree OffloadingConnector (default CPUOffloadingSpec)."""
+    from vllm.config import KVTransferConfig
+
+    return KVTransferConfig(kv_connector="OffloadingConnector", kv_role="kv_both",
+                            kv_connector_extra_config={"cpu_bytes_to_use": cpu_bytes_to_use, **extra})
+
+
+@dataclass
+class _Job:
+    job_id: int
+    due: int
+    nbytes: int
+
+
+class FakeOffloadingWorker(OffloadingWorker):
+    """Stands in for `CPUOffloadingWorker`: no copies, each job completes `latency_steps` steps after submission.
+
+    Jobs complete in submission order per direction (store, load, expedited load), like the real per-direction
+    CUDA streams. `wait(job_ids)` completes those jobs at once (the real one blocks on their events).
+    """
+
+    def __init__(self, latency_steps: int = 1, bytes_per_block: Callable[[Any], int] | None = None) -> None:
+        self.latency = latency_steps
+        self.now = 0  # set by the driver each step
+        self._bytes = bytes_per_block or (lambda spec: 0)
+        self._queues: dict[str, deque[_Job]] = {"store": deque(), "load": deque(), "expedited": deque()}
+        self._done_early: list[_Job] = []
+        self.submitted = {"store": 0, "load": 0, "expedited": 0}
+        self.blocks = {"store": 0, "load": 0, "expedited": 0}
+
+    def _submit(self, kind: str, job_id: int, gpu_spec: Any) -> bool:
+        self._queues[kind].append(_Job(job_id, self.now + self.latency, self._bytes(gpu_spec)))
+        self.submitted[kind] += 1
+        self.blocks[kind] += len(gpu_spec.block_ids)
+        return True
+
+    def submit_store(self, job_id: int, src_spec: Any, dst_spec: Any) -> bool:
+        return self._submit("store", job_id, src_spec)
+
+    def submit_load(self, job_id: int, src_spec: Any, dst_spec: Any, expedited: bool = False) -> bool:
+        return self._submit("expedited" if expedited else "load", job_id, dst_spec)
+
+    def get_finished(self) -> list[TransferResult]:
+        out = [self._result(j) for j in self._done_early]
+        self._done_early = []
+        for q in self._queues.values():
+            while q and q[0].due <= self.now:
+                out.append(self._result(q.popleft()))
+        return out
+
+    def wait(self, job_ids: set[int]) -> None:
+        for q in self._queues.values():
+            keep = deque()
+            for j in q:
+                (self._done_early if j.job_id in job_ids else keep).append(j)
+            q.clear()
+            q.extend(keep)
+
+    def pending(self) -> bool:
+        return bool(self._done_early) or any(self._queues.values())
+
+    @staticmethod
+    def _result(job: _Job) -> TransferResult:
+        # A nominal 25 GB/s, so the stats path the real worker feeds is exercised too.
+        return TransferResult(job.job_id, True, job.nbytes, job.nbytes / 25e9 if job.nbytes else 0.0)
+
+
+def spec_bytes(per_group: Sequence[int]) -> Callable[[Any], int]:
+    """Bytes a vLLM `GPULoadStoreSpec` moves (block ids per group, in group order), given each group's bytes per
+    block id."""
+    def nbytes(spec: Any) -> int:
+        sizes = getattr(spec, "group_sizes", None) or [len(spec.block_ids)]
+        return int(sum(n * per_group[min(i, len(per_group) - 1)] for i, n in enumerate(sizes)))
+
+    return nbytes
+
+
+def _bytes_per_gpu_block(kv_cache_config: Any) -> Callable[[Any], int]:
+    """Bytes one GPU block id of each group moves, for the transfer stats (packed groups counted once)."""
+    from offload_connector.groups import group_block_bytes
+
+    return spec_bytes([group_block_bytes(g, kv_cache_config) for g in kv_cache_config.kv_cache_groups])
+
+
+class VllmOffloadingWorkerSim:
+    """The real WORKER-role OffloadingConnector over the worker KVCacheConfig, copy engine faked."""
+
+    def __init__(self, vllm_config: Any, worker_kv_cache_config: Any, latency_steps: int = 1,
+                 pickle_metadata: bool = True) -> None:
+        self.connector = OffloadingConnector(vllm_config, KVConnectorRole.WORKER, worker_kv_cache_config)
+        assert self.connector.connector_worker is not None
+        self.engine = FakeOffloadingWorker(latency_steps, _bytes_per_gpu_block(worker_kv_cache_config))
+        # What register_kv_caches -> _init_worker -> spec.get_worker(...) would have installed.
+        self.connector.connector_worker.worker = self.engine
+        self.pickle_metadata = pickle_metadata
+        self.aggregator = KVOutputAggregator.from_connector(self.connector, world_size=1)
+
+    def execute(self, scheduler_output: Any, step: int) -> Any:
+        """The connector part of one execute_model; returns the KVConnectorOutput for this step."""
+        from vllm.v1.outputs import KVConnectorOutput
+
+        conn = self.connector
+        meta = scheduler_output.kv_connector_metadata
+        if self.pickle_metadata:
+            meta = pickle.loads(pickle.dumps(meta))
+        self.engine.now = step
+        conn.handle_preemptions(meta)
+        conn.bind_connector_metadata(meta)
+        conn.start_load_kv(None)  # the forward would run here
+        conn.wait_for_save()
+        finished = set(scheduler_output.finished_req_ids or ())
+        if hasattr(conn, "get_transfer_results"):
+            res = conn.get_transfer_results(finished)
+            sending, recving = res.finished_sending, res.finished_recving
+        else:
+            sending, recving = conn.get_finished(finished)
+        out = KVConnectorOutput(finished_sending=set(sending or ()) or None,
+                                finished_recving=set(recving or ()) or None,
+                                kv_connector_worker_meta=conn.build_connector_worker_meta())
+        conn.clear_connector_metadata()
+        return out
+
+    def pending(self) -> bool:
+        return self.engine.pending() or bool(self.connector.connector_worker._unsubmitted_store_jobs)
+
+
+class VllmOffloadingDriver:
+    """Steps a real vLLM scheduler whose connector is OffloadingConnector, with `VllmOffloadingWorkerSim`.
+
+    Pipelining follows `SchedulerDriver`: with `batch_depth` 2 (async scheduling; EngineCore's batch queue) the next
+    batch is scheduled before the previous one's output is applied. The worker runs a batch's connector calls when
+    the batch is scheduled (the model runner executes it while the scheduler moves on).
+    """
+
+    def __init__(self, scheduler: Any, worker: VllmOffloadingWorkerSim, batch_depth: int | None = None) -> None:
+        self.sched = scheduler
+        self.worker = worker
+        if batch_depth is None:
+            cfg = scheduler.vllm_config
+            batch_depth = getattr(cfg, "max_concurrent_batches", 1) if cfg.scheduler_config.async_scheduling else 1
+        self.batch_depth = max(1, batch_depth)
+        self._queue: deque[tuple[Any, list[str], list[list[int]], Any]] = deque()
+        self.step_no = 0
+        self.finished: set[str] = set()
+
+    @property
+    def pool(self) -> Any:
+        return self.sched.kv_cache_manager.block_pool
+
+    def add(self, requests: Iterable[Any]) -> None:
+        for r in requests:
+            self.sched.add_request(r)
+
+    def step(self) -> Any:
+        self.step_no += 1
+        out = self.sched.schedule()
+        kv_out = self.worker.execute(out, self.step_no)
+        req_ids = list(out.num_scheduled_tokens)
+        sampled = []
+        for rid in req_ids:
+            req = self.sched.requests[rid]
+            sampled.append([7] if req.num_computed_tokens >= req.num_tokens else [])
+        self._queue.append((out, req_ids, sampled, kv_out))
+        while self._queue and (len(self._queue) >= self.batch_depth or out.total_num_scheduled_tokens == 0):
+            self._apply_oldest()
+        return out
+
+    def _apply_oldest(self) -> None:
+        out, req_ids, sampled, kv_out = self._queue.popleft()
+        mro = ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
+                                sampled_token_ids=sampled, kv_connector_output=kv_out)
+        mro = self.worker.aggregator.aggregate([mro])
+        engine_outputs = self.sched.update_from_output(out, mro)
+        for eco in engine_outputs.values():
+            for o in eco.outputs:
+                if o.finish_reason is not None:
+                    self.finished.add(o.request_id)
+
+    def busy(self) -> bool:
+        return bool(self._queue or self.sched.has_requests() or self.worker.pending())

@@ -1,5 +1,0 @@
-import sys
-
-from offload_connector.cli import main
-
-sys.exit(main())

@@ -1,0 +1,297 @@
+"""Admission of loads from the CPU tier: the lookup, the exact ledger's verdict, fairness between deferred loads, and
+the load job issued once vLLM has allocated the request's blocks."""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+from typing import Any
+
+from offload_connector.config import OffloadConfig
+from offload_connector.groups import cdiv
+from offload_connector.log import get_logger
+from offload_connector.metadata import TransferJob
+from offload_connector.metrics import OffloadStatsSink
+from offload_connector.scheduler import ledger
+from offload_connector.scheduler.fairness import FairQueue
+from offload_connector.scheduler.jobs import JobBook
+from offload_connector.scheduler.lookup import full_prefix_tokens, longest_hit
+from offload_connector.scheduler.state import KVBinding, Layout, ReqState, SchedulerCounters
+from offload_connector.scheduler.stores import in_prefix_order
+from offload_connector.scheduler.tier_index import TierIndex
+from offload_connector.scheduler.watchdog import PoolHolder
+
+logger = get_logger(__name__)
+
+
+@dataclass
+class Admission:
+    """A load we admitted, with what the pool looked like, so tests can compare prediction and allocation."""
+    request_id: str
+    step: int
+    plan: ledger.LoadPlan
+    free_before: int
+    free_after: int | None = None
+    entries_after: tuple[int, ...] = ()
+    live_after: tuple[int, ...] = ()
+
+
+class AdmissionControl:
+    def __init__(self, config: OffloadConfig, layout: Layout, tier: TierIndex, requests: dict[str, ReqState],
+                 jobs: JobBook, counters: SchedulerCounters, stats: OffloadStatsSink, fair: FairQueue) -> None:
+        self.config = config
+        self.layout = layout
+        self.tier = tier
+        self.requests = requests
+        self.jobs = jobs
+        self.counters = counters
+        self.stats = stats
+        self.fair = fair
+        self.kv: KVBinding | None = None
+        # Admissions with the pool around them, kept only while a test or simulation records them
+        # (`OffloadScheduler.record_admissions`): in "vllm" reservation mode the plan is computed only for this log.
+        self.log: deque[Admission] | None = None
+        self._holders_cache: tuple[tuple[int, int, int], int] | None = None
+
+    def bind(self, kv: KVBinding) -> None:
+        self.kv = kv
+
+    # ------------------------------------------------------------------ lookup
+    def hit(self, request: Any, upper: int) -> int:
+        """The longest prefix up to `upper` tokens every group can restore from the tier. Notes a shared-prefix end
+        found there without its window, so that store planning keeps a window at it (`ReqState.junctions`)."""
+        layout = self.layout
+        keys = layout.keys(request)
+        full = full_prefix_tokens(layout.groups, keys, self.tier.is_ready, upper)
+        hit = longest_hit(layout.groups, keys, self.tier.is_ready, upper, layout.alignment, full_tokens=full)
+        junction = full - full % layout.alignment
+        state = self.requests.get(request.request_id)
+        if junction > hit and state is not None and layout.has_full and layout.has_recycling:
+            state.junctions.add(junction)
+        return hit
+
+    def match(self, request: Any, state: ReqState, num_computed_tokens: int, step: int) -> tuple[int | None, bool]:
+        """vLLM's `get_num_new_matched_tokens` for a request with no load in flight."""
+        if state.no_load:  # recomputing its prefix; still behind any older deferred load
+            held = self._held_for_older(request, num_computed_tokens, num_computed_tokens, step)
+            return (None, False) if held else (0, False)
+        self.counters.lookups += 1
+        # Leave at least one prompt token to compute: the step that computes it produces the first output.
+        upper = request.num_tokens - 1
+        hit = self.hit(request, upper)
+        if hit - num_computed_tokens < self.config.min_load_tokens:
+            state.deferred_since = None
+            self.fair.clear(request.request_id)
+            if self._held_for_older(request, num_computed_tokens, num_computed_tokens, step):
+                return None, False
+            return 0, False
+        self.counters.hits += 1
+        if not state.counted_hit:
+            state.counted_hit = True
+            self.counters.cpu_hit_tokens += hit - num_computed_tokens
+        if self.config.reservation == "vllm":
+            state.offered_hit = hit
+            if self.log is not None:  # the comparison shows what the exact ledger would have seen
+                plan = self.plan_load(request, hit, self._local_blocks(request, num_computed_tokens))
+                self.log.append(Admission(request.request_id, step, plan, self._kv().pool.get_num_free_blocks()))
+            return hit - num_computed_tokens, True
+        return self._admit(request, state, num_computed_tokens, hit, step)
+
+    def _admit(self, request: Any, state: ReqState, local: int, hit: int, step: int) -> tuple[int | None, bool]:
+        kv = self._kv()
+        local_blocks = self._local_blocks(request, local)
+        plan = self.plan_load(request, hit, local_blocks)
+        verdict = ledger.decide(plan, kv.pool.get_num_free_blocks(), kv.watermark,
+                                self._reserved_by_others(request.request_id), self.layout.num_blocks - 1)
+        if verdict is ledger.Verdict.ADMIT and self._held_for_older(request, local, hit, step, plan.total):
+            return None, False
+        if verdict is ledger.Verdict.ADMIT:
+            self.fair.clear(request.request_id)
+            state.deferred_since = None
+            state.offered_hit = hit
+            if self.log is not None:
+                self.log.append(Admission(request.request_id, step, plan, kv.pool.get_num_free_blocks()))
+            return hit - local, True
+        if verdict is ledger.Verdict.DEFER:
+            if state.deferred_since is None:
+                state.deferred_since = step
+            if step - state.deferred_since >= self.config.max_deferral_steps:
+                self.fair.clear(request.request_id)
+                self.counters.deferral_timeouts += 1
+                self.counters.aged_out_tokens += hit - local
+                self.stats.record_deferral("aged_out")
+                logger.warning("offload_connector: load of %d tokens for %s deferred %d steps; recomputing",
+                               hit - local, request.request_id, step - state.deferred_since)
+                state.no_load = True
+                return 0, False
+            self.counters.deferrals += 1
+            self.stats.record_deferral("pool_full")
+            if self.config.admission_policy == "fair":
+                self.fair.defer(request, step, sum(plan.now), plan.total)
+            return None, False
+        # TOO_BIG: the request's blocks through its prompt do not fit even an idle pool. A shorter hit would not
+        # help: a load's total (now + remaining) is the request's need at its target minus the local blocks it
+        # shares, whatever the hit length. Recompute: vLLM's chunked prefill recycles window blocks as it goes,
+        # which a load admitted whole cannot.
+        self.fair.clear(request.request_id)
+        self.counters.too_big += 1
+        self.counters.too_big_tokens += hit - local
+        self.stats.record_deferral("too_big")
+        state.no_load = True
+        return 0, False
+
+    def _held_for_older(self, request: Any, local: int, hit: int, step: int, need: int | None = None) -> bool:
+        """Whether `request` must wait so that an older deferred load keeps the room it is waiting for.
+
+        `need` is what the request would take through its prompt (computed here, only when it could matter, for a
+        request without a load). It may go ahead only if the pool holds it, the older load's blocks, every holder's
+        remaining need and the watermark. Called for every waiting request behind a deferred load on every step, so
+        the holders' total is computed once per step and pool state (a waiting request asked here holds no blocks)."""
+        if self.config.admission_policy != "fair" or self.config.reservation != "exact":
+            return False
+        older = self.fair.oldest_ahead_of(request, step)
+        if older is None:
+            return False
+        kv = self._kv()
+        free = kv.pool.get_num_free_blocks()
+        # Whatever this request takes through its prompt must leave what the older load's admission requires.
+        room = free - ledger.required_free(older.now, older.total, self._holders_remaining(free, step), kv.watermark)
+        if room > 0 and need is None:
+            need = self.plan_load(request, hit, self._local_blocks(request, local)).total
+        if need is not None and need <= room:
+            return False
+        self.counters.held_for_older += 1
+        self.stats.record_deferral("held_for_older")
+        return True
+
+    def _holders_remaining(self, free: int, step: int) -> int:
+        key = (step, free, len(self.jobs.loads))
+        if self._holders_cache is None or self._holders_cache[0] != key:
+            self._holders_cache = (key, sum(sum(r.remaining) for r in self.rows()))
+        return self._holders_cache[1]
+
+    def _local_blocks(self, request: Any, local: int) -> list[list[Any]]:
+        """The local prefix-hit blocks vLLM adopts with a hit of `local` tokens.
+
+        Looked up with vLLM's own bound (`num_tokens - 1`), not `local`: a chunked-local lookup bounded at `local`
+        can stop at an evicted block inside the chunk and return fewer blocks than vLLM adopted. vLLM presents a
+        block-aligned local hit and trims its blocks to it, so each group's list is cut to the hit."""
+        if local == 0:
+            return [[] for _ in self.layout.groups]
+        blocks = self._kv().kv_manager.coordinator.find_longest_cache_hit(request.block_hashes,
+                                                                          request.num_tokens - 1)[0]
+        return [list(b)[: cdiv(local, g.block_size)] for g, b in zip(self.layout.groups, blocks)]
+
+    def plan_load(self, request: Any, hit: int, local_blocks: list[list[Any]]) -> ledger.LoadPlan:
+        """Exact per-group blocks a load of `hit` tokens takes now and may still take through its prompt."""
+        target = self.layout.target_tokens(request)
+        now, remaining, entries, live = [], [], [], []
+        for g in self.layout.groups:
+            taken, n_entries, n_live = ledger.load_blocks(g, hit, local_blocks[g.index])
+            now.append(taken)
+            entries.append(n_entries)
+            live.append(n_live)
+            remaining.append(ledger.remaining_blocks(g, target, n_entries, n_live, hit))
+        return ledger.LoadPlan(hit, tuple(now), tuple(remaining), tuple(entries), tuple(live))
+
+    # ------------------------------------------------------------------ ledger
+    def rows(self, exclude: str | None = None) -> list[ledger.LedgerRow]:
+        """One row per request that holds blocks and has not finished its prompt: what it holds, what it may take."""
+        managers = self._kv().managers
+        rows = []
+        first = managers[0].req_to_blocks
+        for rid, state in self.requests.items():
+            if rid == exclude or state.finished or rid not in first:
+                continue
+            request = state.request
+            if not _in_prefill(request):
+                continue
+            target = self.layout.target_tokens(request)
+            # vLLM frees out-of-window blocks only up to the tokens whose batches have been processed.
+            processed = max(0, request.num_computed_tokens - getattr(request, "num_in_flight_tokens", 0))
+            held, remaining = [], []
+            for g, manager in zip(self.layout.groups, managers):
+                entries, live = ledger.live_counts(manager.req_to_blocks.get(rid, ()))
+                held.append(live)
+                remaining.append(ledger.remaining_blocks(g, target, entries, live, processed))
+            rows.append(ledger.LedgerRow(rid, str(getattr(request.status, "name", request.status)), tuple(held),
+                                         tuple(remaining), rid in self.jobs.loads))
+        return rows
+
+    def _reserved_by_others(self, request_id: str) -> int:
+        return sum(sum(r.remaining) for r in self.rows(exclude=request_id))
+
+    def snapshot(self, step: int) -> ledger.LedgerSnapshot:
+        rows = self.rows()
+        kv = self.kv
+        return ledger.LedgerSnapshot(
+            step=step,
+            num_blocks=self.layout.num_blocks,
+            free_blocks=kv.pool.get_num_free_blocks() if kv is not None else self.layout.num_blocks - 1,
+            watermark_blocks=kv.watermark if kv is not None else 0,
+            reserved_blocks=sum(sum(r.remaining) for r in rows),
+            groups=ledger.summarize(rows, self.layout.groups),
+            rows=tuple(rows),
+            deferred=tuple(rid for rid, s in self.requests.items() if s.deferred_since is not None),
+        )
+
+    def holders(self) -> tuple[PoolHolder, ...]:
+        """Every request holding GPU blocks, for a stall report."""
+        managers = self._kv().managers
+        holders = []
+        for rid, state in self.requests.items():
+            held = tuple(ledger.live_counts(m.req_to_blocks.get(rid, ()))[1] for m in managers)
+            if any(held):
+                status = getattr(state.request.status, "name", str(state.request.status))
+                holders.append(PoolHolder(rid, status, held))
+        return tuple(holders)
+
+    # -------------------------------------------------------------------- load
+    def start_load(self, request: Any, state: ReqState, blocks: Any, num_external_tokens: int) -> None:
+        """vLLM allocated the blocks of an admitted load: pin its tier entries and issue the copy."""
+        rid = request.request_id
+        hit = state.offered_hit
+        assert hit >= num_external_tokens, (rid, hit, num_external_tokens)
+        block_ids = blocks.get_block_ids()
+        log = self.log
+        if log and log[-1].request_id == rid and log[-1].free_after is None:
+            adm = log[-1]
+            kv = self._kv()
+            counts = [ledger.live_counts(m.req_to_blocks.get(rid, ())) for m in kv.managers]
+            adm.free_after = kv.pool.get_num_free_blocks()
+            adm.entries_after = tuple(c[0] for c in counts)
+            adm.live_after = tuple(c[1] for c in counts)
+        local = hit - num_external_tokens
+        keys = self.layout.keys(request)
+        groups_, gpu, keylist, load_ends = [], [], [], []
+        for g in self.layout.groups:
+            ids = block_ids[g.index]
+            start = max(local // g.block_size, g.first_live_block(hit))
+            for i in range(start, hit // g.block_size):
+                key = keys(g.index, i)
+                groups_.append(g.index)
+                gpu.append(ids[i])
+                keylist.append(key)
+                load_ends.append((i + 1) * g.block_size)
+        groups_, gpu, keylist = in_prefix_order(load_ends, groups_, gpu, keylist)
+        slots = self.tier.pin(keylist)
+        self.tier.touch(keylist)
+        job = TransferJob.from_columns(self.jobs.new_job_id(), rid, len(self.layout.groups), groups_, gpu, slots)
+        self.jobs.add_load(job, keylist, num_external_tokens)
+        state.deferred_since = None
+        # Blocks below the hit are on the GPU once the load lands; store planning starts after them.
+        groups = self.layout.groups
+        state.full_stored = [hit // g.block_size if not g.recycling else 0 for g in groups]
+        state.window_scanned = hit
+        state.window_next = [hit // g.block_size for g in groups]
+        self.counters.loads_admitted += 1
+        self.counters.loaded_tokens += num_external_tokens
+
+    def _kv(self) -> KVBinding:
+        assert self.kv is not None, "bind_kv_cache_manager was not called"
+        return self.kv
+
+
+def _in_prefill(request: Any) -> bool:
+    return request.num_computed_tokens < max(request.num_prompt_tokens, request.num_tokens - 1)
+

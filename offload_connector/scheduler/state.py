@@ -1,0 +1,107 @@
+"""What the parts of the scheduler side share: the model's layout, the bound KV cache manager, per-request state and
+the counters. Kept apart so that admission, store planning and job bookkeeping depend on these facts, not on each
+other or on the `OffloadScheduler` facade."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from offload_connector.groups import GroupInfo, describe_groups, hit_alignment
+from offload_connector.scheduler.lookup import BlockKeys
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The model's KV cache groups and the token bounds a request is planned to; fixed at start-up."""
+    groups: tuple[GroupInfo, ...]
+    alignment: int  # every hit is a multiple of it (all groups' block sizes)
+    hash_block_size: int
+    num_blocks: int  # of vLLM's GPU pool, the null block included
+    max_model_len: int
+    num_spec_tokens: int
+    num_lookahead_tokens: int
+    has_full: bool  # some group keeps every block (full attention, MLA)
+    has_recycling: bool  # some group frees blocks behind a window or chunk
+
+    @classmethod
+    def from_vllm(cls, vllm_config: Any, kv_cache_config: Any) -> Layout:
+        spec_cfg = getattr(vllm_config, "speculative_config", None)
+        num_spec = getattr(spec_cfg, "num_speculative_tokens", 0) or 0 if spec_cfg else 0
+        lookahead = getattr(vllm_config, "num_lookahead_tokens", 0) or 0
+        groups = tuple(describe_groups(kv_cache_config, _max_in_flight_tokens(vllm_config), lookahead))
+        return cls(
+            groups=groups,
+            alignment=hit_alignment(list(groups)),
+            hash_block_size=getattr(kv_cache_config, "hash_block_size", None) or _gcd_block(groups),
+            num_blocks=kv_cache_config.num_blocks,
+            max_model_len=vllm_config.model_config.max_model_len,
+            num_spec_tokens=num_spec,
+            num_lookahead_tokens=lookahead,
+            has_full=any(not g.recycling for g in groups),
+            has_recycling=any(g.recycling for g in groups),
+        )
+
+    def keys(self, request: Any) -> BlockKeys:
+        """The tier keys of `request`'s blocks, per group."""
+        return BlockKeys(request.block_hashes, self.hash_block_size, self.groups)
+
+    def target_tokens(self, request: Any) -> int:
+        """The tokens a request is planned to: its prompt, then one decode step (plus speculative and lookahead
+        slots), the least it needs to run at all."""
+        return min(request.num_tokens + 1 + self.num_spec_tokens + self.num_lookahead_tokens, self.max_model_len)
+
+
+@dataclass(frozen=True)
+class KVBinding:
+    """vLLM's KV cache manager, known only once vLLM binds it (after the connector is built)."""
+    managers: tuple[Any, ...]  # one single-type manager per group
+    pool: Any  # the BlockPool
+    kv_manager: Any
+    watermark: int
+
+
+@dataclass
+class ReqState:
+    request: Any
+    full_stored: list[int]  # per group: blocks [0, n) already handed to the tier (or found there)
+    window_scanned: int = 0  # boundaries up to here were considered for window stores
+    junctions: set[int] = field(default_factory=set)  # shared-prefix ends found at lookup without a window
+    window_next: list[int] = field(default_factory=list)  # per group: window blocks below this were handed over
+    deferred_since: int | None = None
+    no_load: bool = False  # gave up loading (aged deferral); recompute instead
+    pending_stores: set[int] = field(default_factory=set)
+    finished: bool = False
+    offered_hit: int = 0  # the hit (local + external) last offered to vLLM
+    counted_hit: bool = False  # its CPU hit is in counters.cpu_hit_tokens
+
+
+@dataclass
+class SchedulerCounters:
+    lookups: int = 0
+    hits: int = 0
+    loads_admitted: int = 0
+    loaded_tokens: int = 0
+    deferrals: int = 0
+    deferral_timeouts: int = 0
+    held_for_older: int = 0  # steps a request waited behind an older deferred load (admission_policy "fair")
+    cpu_hit_tokens: int = 0  # tokens the tier could serve, counted once per request at its first lookup with a hit
+    aged_out_tokens: int = 0  # of those, tokens given up after max_deferral_steps and recomputed
+    too_big_tokens: int = 0  # of those, tokens recomputed because the request could not fit an idle pool
+    too_big: int = 0
+    stores: int = 0
+    stored_blocks: int = 0
+    load_failures: int = 0
+
+
+def _gcd_block(groups: tuple[GroupInfo, ...]) -> int:
+    return math.gcd(*(g.block_size for g in groups))
+
+
+def _max_in_flight_tokens(vllm_config: Any) -> int:
+    value = getattr(vllm_config, "max_in_flight_tokens", None)
+    if value is not None:
+        return int(value)
+    batches = getattr(vllm_config, "max_concurrent_batches", 1) or 1
+    return batches * vllm_config.scheduler_config.max_num_batched_tokens

@@ -1,0 +1,128 @@
+"""Store planning: which newly computed blocks go to the CPU tier, and when."""
+
+from __future__ import annotations
+
+from typing import Any, Hashable
+
+from offload_connector.config import OffloadConfig
+from offload_connector.groups import GroupInfo
+from offload_connector.metadata import TransferJob
+from offload_connector.scheduler.events import TierEvents
+from offload_connector.scheduler.jobs import JobBook
+from offload_connector.scheduler.state import KVBinding, Layout, ReqState, SchedulerCounters
+from offload_connector.scheduler.tier_index import TierIndex
+from offload_connector.scheduler.windows import store_points
+
+
+class StorePlanner:
+    def __init__(self, config: OffloadConfig, layout: Layout, tier: TierIndex, jobs: JobBook, events: TierEvents,
+                 counters: SchedulerCounters) -> None:
+        self.config = config
+        self.layout = layout
+        self.tier = tier
+        self.jobs = jobs
+        self.events = events
+        self.counters = counters
+        self.kv: KVBinding | None = None
+
+    def bind(self, kv: KVBinding) -> None:
+        self.kv = kv
+
+    def plan(self, state: ReqState, computed: int, block_ids: list[list[int]] | None) -> None:
+        """Hand newly computed blocks to the tier.
+
+        Full-attention blocks are stored as they complete. A recycling group's blocks are stored only for the
+        windows a later request can resume from (`windows.store_points`: the last full block before the prompt's
+        end, the prompt's end and every boundary after it, checkpoints every `window_checkpoint_tokens` inside the
+        prompt, and junctions where a lookup found a shared prefix without a window), never every window a long
+        prefill passes through. Each window block is handed over once per request: a later point adds the blocks new
+        since the last stored window and does not re-store older window blocks the tier has evicted meanwhile.
+        (Re-storing them made every 32-token boundary copy a whole window once the tier was under pressure.) vLLM
+        frees a window's oldest blocks as soon as the window moves, so a window is stored in the step that computes
+        its point, and the end-of-request window cannot wait for `request_finished`.
+
+        `block_ids`: the request's blocks per group when vLLM no longer maps them (`request_finished`); otherwise
+        they are read from vLLM's managers.
+        """
+        layout = self.layout
+        request = state.request
+        keys = layout.keys(request)
+        done = min(computed, keys.hashed_tokens())
+        groups_, gpu, keylist, positions = [], [], [], []  # positions: token just past each block
+
+        def ids_for(g: GroupInfo) -> list[int] | None:
+            if block_ids is not None:
+                return block_ids[g.index]
+            assert self.kv is not None, "bind_kv_cache_manager was not called"
+            blocks = self.kv.managers[g.index].req_to_blocks.get(request.request_id)
+            return None if blocks is None else [0 if b.is_null else b.block_id for b in blocks]
+
+        for g in layout.groups:
+            if g.recycling:
+                continue
+            ids = ids_for(g)
+            if ids is None:
+                continue
+            end = min(done // g.block_size, len(ids))
+            for i in range(state.full_stored[g.index], end):
+                groups_.append(g.index)
+                gpu.append(ids[i])
+                keylist.append(keys(g.index, i))
+                positions.append((i + 1) * g.block_size)
+            state.full_stored[g.index] = max(state.full_stored[g.index], end)
+
+        upto = done - done % layout.alignment
+        points = store_points(state.window_scanned, upto, request.num_prompt_tokens, layout.alignment,
+                              self.config.window_checkpoint_tokens, state.junctions) if layout.has_recycling else []
+        state.window_scanned = max(state.window_scanned, upto)
+        for point in points:
+            window: list[tuple[int, int, Hashable, int]] = []
+            ends: list[tuple[int, int]] = []
+            for g in layout.groups:
+                if not g.recycling:
+                    continue
+                ids = ids_for(g)
+                rng = g.restore_range(point)
+                new = range(max(rng.start, state.window_next[g.index]), rng.stop)
+                if ids is None or len(ids) < rng.stop or any(ids[i] == 0 for i in new):
+                    window = []  # part of this window already left the GPU: the point is not restorable
+                    break
+                window.extend((g.index, ids[i], keys(g.index, i), (i + 1) * g.block_size) for i in new)
+                ends.append((g.index, rng.stop))
+            else:
+                for gi, stop in ends:
+                    state.window_next[gi] = stop
+            for gi, bid, key, end_token in window:
+                groups_.append(gi)
+                gpu.append(bid)
+                keylist.append(key)
+                positions.append(end_token)
+
+        if not keylist:
+            return
+        groups_, gpu, keylist, ends = in_prefix_order(positions, groups_, gpu, keylist, positions)
+        reserved = dict(self.tier.begin_store(keylist))
+        if not reserved:
+            return
+        sel = [i for i, k in enumerate(keylist) if k in reserved]
+        job = TransferJob.from_columns(self.jobs.new_job_id(), request.request_id, len(layout.groups),
+                                       [groups_[i] for i in sel], [gpu[i] for i in sel],
+                                       [reserved[keylist[i]] for i in sel])
+        events = None
+        if self.events.enabled:
+            events = self.events.describe_store(
+                request, [(groups_[i], ends[i] // layout.groups[groups_[i]].block_size - 1) for i in sel], keys)
+        self.jobs.add_store(job, [keylist[i] for i in sel], events)
+        state.pending_stores.add(job.job_id)
+        self.counters.stores += 1
+        self.counters.stored_blocks += job.num_blocks
+
+
+def in_prefix_order(positions: list[int], *columns: list[Any]) -> list[list[Any]]:
+    """Reorders parallel per-block lists by the token position just past each block, across groups.
+
+    The tier ages a prefix from its tail in the order it is handed blocks, so in this order a window is evicted
+    together with the full-attention blocks around its point, not before them (which left those full-attention
+    blocks useless past the last window still stored)."""
+    order = sorted(range(len(positions)), key=positions.__getitem__)
+    return [[col[i] for i in order] for col in columns]
