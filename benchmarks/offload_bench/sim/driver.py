@@ -240,7 +240,12 @@ class SchedulerDriver:
             wmeta = self.worker.worker_meta()
             self.worker.take_stats()  # vLLM takes the worker's stats every step; nothing reads them here
             self.delayed_free -= sending
-            kv_out = KVConnectorOutput(finished_sending=sending or None, finished_recving=recving or None,
+            # Sorted: vLLM frees the blocks of `finished_sending` in iteration order, and a set of str iterates in
+            # an order that changes with PYTHONHASHSEED, which would make a run depend on the process's hash seed
+            # (which of two requests finishing together loses its prefix-cache blocks first). vLLM only iterates
+            # these, so an ordered list stands in for its set.
+            kv_out = KVConnectorOutput(finished_sending=sorted(sending) or None,  # type: ignore[arg-type]
+                                       finished_recving=sorted(recving) or None,  # type: ignore[arg-type]
                                        kv_connector_worker_meta=wmeta)
             if failed:
                 kv_out.failed_recving = failed

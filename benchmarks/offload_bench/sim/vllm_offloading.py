@@ -157,6 +157,18 @@ class VllmOffloadingWorkerSim:
         return self.engine.pending() or bool(self.connector.connector_worker._unsubmitted_store_jobs)
 
 
+def sorted_transfer_ids(kv_out: Any) -> None:
+    """vLLM frees the blocks of `finished_sending` (and of finished requests in `finished_recving`) in iteration
+    order; a set of str iterates in an order that changes with PYTHONHASHSEED, which would make a simulated run
+    depend on the process's hash seed. vLLM only iterates these, so sorted lists stand in for its sets."""
+    if kv_out is None:
+        return
+    for name in ("finished_sending", "finished_recving"):
+        ids = getattr(kv_out, name, None)
+        if ids:
+            setattr(kv_out, name, sorted(ids))
+
+
 class VllmOffloadingDriver:
     """Steps a real vLLM scheduler whose connector is OffloadingConnector, with `VllmOffloadingWorkerSim`.
 
@@ -203,6 +215,7 @@ class VllmOffloadingDriver:
         mro = ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
                                 sampled_token_ids=sampled, kv_connector_output=kv_out)
         mro = self.worker.aggregator.aggregate([mro])
+        sorted_transfer_ids(mro.kv_connector_output)
         engine_outputs = self.sched.update_from_output(out, mro)
         for eco in engine_outputs.values():
             for o in eco.outputs:
