@@ -43,6 +43,7 @@ def main() -> int:
               "errors": 0, "admitted_loads": 0, "loaded_tokens": 0, "deferrals": 0, "too_big": 0,
               "drafts_scheduled": 0, "drafts_accepted": 0}
     by_spec: dict[str, dict[str, int]] = {}
+    by_pp: dict[str, dict[str, int]] = {}
     failures = []
     start = time.time()
     it = range(args.examples)
@@ -53,11 +54,14 @@ def main() -> int:
         key = f"k={case.num_spec_tokens}" + (f" {case.spec_method}" if case.num_spec_tokens else "")
         row = by_spec.setdefault(key, {"examples": 0, "admitted_loads": 0, "failed": 0})
         row["examples"] += 1
+        pp_row = by_pp.setdefault(f"pp={case.pipeline_parallel_size}", {"examples": 0, "admitted_loads": 0, "failed": 0})
+        pp_row["examples"] += 1
         try:
             out = run_case(case)
         except Exception as exc:  # an exception is a finding, not a crash of the benchmark
             totals["errors"] += 1
             row["failed"] += 1
+            pp_row["failed"] += 1
             failures.append({"case": repr(case), "error": repr(exc)})
             continue
         totals["mismatches"] += len(out.mismatches)
@@ -71,8 +75,10 @@ def main() -> int:
         for name in ("deferrals", "too_big", "drafts_scheduled", "drafts_accepted"):
             totals[name] += getattr(out, name)
         row["admitted_loads"] += out.admissions
+        pp_row["admitted_loads"] += out.admissions
         if not out.ok:
             row["failed"] += 1
+            pp_row["failed"] += 1
             failures.append({"case": repr(case), "mismatches": out.mismatches[:3],
                              "peak_violations": out.peak_violations[:3], "stalls": out.stalls,
                              "idle_zero_steps": out.idle_zero_steps, "undrained": out.undrained})
@@ -84,6 +90,7 @@ def main() -> int:
     totals["vllm"] = vllm.__version__
     totals["seed"] = args.seed
     totals["by_spec"] = dict(sorted(by_spec.items()))
+    totals["by_pp"] = dict(sorted(by_pp.items()))
     print(json.dumps(totals, indent=2))
     for f in failures[:10]:
         print("FAILURE", f)

@@ -90,7 +90,7 @@ def attach_speculative_config(vllm_config: Any, method: str, num_speculative_tok
 
 def build_custom(groups: Sequence[GroupDesc], *, num_blocks: int, max_num_batched_tokens: int, max_model_len: int,
                  kv_transfer_config: Any, scheduler_cls: type | None = None, num_speculative_tokens: int = 0,
-                 spec_method: str = "ngram") -> tuple[Any, int]:
+                 spec_method: str = "ngram", pipeline_parallel_size: int = 1) -> tuple[Any, int]:
     """A real scheduler over a hand-built layout. Returns (scheduler, hash_block_size).
 
     Without speculative decoding: the plain `Scheduler` over an async-scheduling config (the driver keeps a 2-deep
@@ -106,6 +106,9 @@ def build_custom(groups: Sequence[GroupDesc], *, num_blocks: int, max_num_batche
     vc = build_vllm_config("tiny-llama", max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens,
                            num_gpu_blocks=num_blocks, kv_transfer_config=kv_transfer_config,
                            max_num_seqs=min(64, max_num_batched_tokens), async_scheduling=async_scheduling)
+    # Pipeline parallelism changes only how many batches vLLM keeps in flight (`max_concurrent_batches`, which the
+    # driver's batch queue and the ledger's in-flight bound both read); the stages' layers are not simulated.
+    vc.parallel_config.pipeline_parallel_size = pipeline_parallel_size
     if num_speculative_tokens:
         attach_speculative_config(vc, spec_method, num_speculative_tokens)
         if scheduler_cls is None:

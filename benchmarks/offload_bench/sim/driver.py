@@ -62,9 +62,12 @@ class SchedulerDriver:
         self.peaks = peaks  # a sim.peaks.PeakChecker: reservations against blocks held, around every schedule()
         cfg = scheduler.vllm_config
         if batch_depth is None:
-            # EngineCore keeps max_concurrent_batches batches in flight under async scheduling.
-            batch_depth = getattr(cfg, "max_concurrent_batches", 1) if cfg.scheduler_config.async_scheduling else 1
+            # EngineCore's batch queue holds max_concurrent_batches batches: 2 under async scheduling, the pipeline
+            # depth under pipeline parallelism, 1 otherwise.
+            batch_depth = getattr(cfg, "max_concurrent_batches", 1)
         self.batch_depth = max(1, batch_depth)
+        pc = cfg.parallel_config
+        self.reporters = max(1, pc.tensor_parallel_size * pc.pipeline_parallel_size)
         self._queue: deque[tuple[Any, list[str], list[list[int]], dict[str, Any]]] = deque()
         self.engine = engine
         self.check_loads = check_loads
@@ -238,6 +241,13 @@ class SchedulerDriver:
             self.engine.advance(self.step_no)
             sending, recving, failed = self.worker.transfer_results()
             wmeta = self.worker.worker_meta()
+            if wmeta is not None and self.reporters > 1:
+                # One simulated worker stands for every TP rank and PP stage: each would report its shard of the
+                # same store jobs, and vLLM's aggregator concatenates the reports (the scheduler side waits for all
+                # of them). finished_sending/recving need no copies: the aggregator reports those once all agree.
+                from offload_connector.metadata import OffloadWorkerMetadata
+                wmeta = OffloadWorkerMetadata(stores_done=wmeta.stores_done * self.reporters,
+                                              stores_failed=wmeta.stores_failed * self.reporters)
             self.worker.take_stats()  # vLLM takes the worker's stats every step; nothing reads them here
             self.delayed_free -= sending
             # Sorted: vLLM frees the blocks of `finished_sending` in iteration order, and a set of str iterates in

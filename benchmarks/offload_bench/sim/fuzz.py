@@ -25,6 +25,7 @@ class FuzzCase:
     seed: int
     num_spec_tokens: int = 0  # speculative decoding: drafts per step (0: off)
     spec_method: str = "ngram"  # see custom.SPEC_METHODS: ngram (sync engine), ngram_gpu, draft_model, eagle (async)
+    pipeline_parallel_size: int = 1  # vLLM keeps this many batches in flight (more with async scheduling)
 
 
 @dataclass
@@ -51,6 +52,9 @@ class FuzzOutcome:
 MAX_MODEL_LEN = 8192
 SPEC_TOKENS = (0, 1, 2, 4, 7)
 SPEC_METHODS = ("ngram", "ngram_gpu", "draft_model", "eagle")
+# Pipeline-parallel sizes, drawn from the case's own seed (not the case stream), so every case drawn before PP was
+# simulated keeps its layout, sessions and spec setting; half the cases now run with 2 or 4 batches in flight.
+PP_SIZES = (1, 1, 2, 4)
 
 
 def spec_methods_for(groups) -> tuple[str, ...]:
@@ -95,8 +99,9 @@ def random_case(rng: random.Random) -> FuzzCase:
         groups=tuple(groups), max_num_batched_tokens=rng.choice([64, 128, 256, 512]),
         pool_factor=rng.uniform(1.05, 3.0), sessions=tuple(sessions), reset_prefix_cache=rng.random() < 0.7,
         return_gaps=tuple(rng.choice([0, 0, 1, 3, 10]) for _ in sessions), latency_steps=rng.randint(1, 4),
-        seed=rng.randrange(1 << 30), num_spec_tokens=rng.choice(SPEC_TOKENS),
-        spec_method=rng.choice(spec_methods_for(groups)))
+        seed=(seed := rng.randrange(1 << 30)), num_spec_tokens=rng.choice(SPEC_TOKENS),
+        spec_method=rng.choice(spec_methods_for(groups)),
+        pipeline_parallel_size=random.Random(seed ^ 0x9E3779B9).choice(PP_SIZES))
 
 
 def _chunk(rng: random.Random, block_size: int) -> int:
@@ -113,11 +118,13 @@ def _cold_need(case: FuzzCase, length: int, in_flight: int) -> int:
 def run_case(case: FuzzCase, max_steps: int = 20_000) -> FuzzOutcome:
     outcome = FuzzOutcome()
     longest = max(max(first + mt, keep + new + mt) for first, mt, keep, new in case.sessions)
-    num_blocks = int(_cold_need(case, longest, 2 * case.max_num_batched_tokens) * case.pool_factor) + 2
+    in_flight = max(2, case.pipeline_parallel_size) * case.max_num_batched_tokens
+    num_blocks = int(_cold_need(case, longest, in_flight) * case.pool_factor) + 2
     sched, hash_bs = build_custom(case.groups, num_blocks=num_blocks,
                                   max_num_batched_tokens=case.max_num_batched_tokens, max_model_len=MAX_MODEL_LEN,
                                   kv_transfer_config=connector_config("exact", 1 << 40),
-                                  num_speculative_tokens=case.num_spec_tokens, spec_method=case.spec_method)
+                                  num_speculative_tokens=case.num_spec_tokens, spec_method=case.spec_method,
+                                  pipeline_parallel_size=case.pipeline_parallel_size)
     peaks = PeakChecker()
     drv = SchedulerDriver(sched, TagCopier(case.latency_steps), spec_seed=case.seed, peaks=peaks)
     base = [tokens(case.seed + s, first) for s, (first, _, _, _) in enumerate(case.sessions)]
