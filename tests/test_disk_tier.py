@@ -355,3 +355,15 @@ def test_index_imports_without_torch_or_numpy(tmp_path):
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     r = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=60)
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr
+
+
+def test_close_marks_the_store_closed_before_the_pool_stops(tmp_path):
+    """A write after (or racing) close() is refused outright; it never reserves a slot it cannot submit."""
+    s = DiskStore(str(tmp_path), FP, budget(4))
+    data = arena(1)[0]
+    assert s.write((0, b"a"), data).wait()
+    s.close()
+    s.close()  # idempotent
+    with pytest.raises(RuntimeError, match="closed"):
+        s.write((0, b"b"), data)
+    assert s.index.get((0, b"b")) is None

@@ -37,8 +37,8 @@ def ext(block_hash):
 def with_events(drv):
     """Turn the tier's KV cache events on (as `--kv-events-config` does) and record what vLLM drains each step."""
     side = drv.side
-    side.events = TierEvents(True, side.groups, drv.sched.kv_cache_config)
-    side.tier.on_removed = side.events.removed
+    side.events = TierEvents(True, side.groups, drv.sched.kv_cache_config)  # also hooks the tier's removals
+    assert side.tier.on_removed == side.events.removed
     seen: list = []
     conn = drv.sched.get_kv_connector()
     orig = conn.take_events

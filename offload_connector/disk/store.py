@@ -460,11 +460,11 @@ class DiskStore:
 
     def close(self) -> None:
         """Wait for the I/O in flight, fsync, close (idempotent)."""
-        if self._closed:
-            return
-        self._pool.shutdown(wait=True)
-        with self._lock:
+        with self._lock:  # closed first, under the lock: no write can reserve a slot it could then never submit
+            if self._closed:
+                return
             self._closed = True
+        self._pool.shutdown(wait=True)
         os.fsync(self._fd)
         if self.direct:
             os.close(self._dfd)

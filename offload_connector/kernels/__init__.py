@@ -1,7 +1,7 @@
 """GPU <-> host copy kernels for paged KV blocks, with the torch reference path.
 
-Lives at the repository's top-level `kernels/` and is imported as `offload_connector.kernels` (a symlink in the
-source tree, a regular subpackage in the wheel). Never imports the scheduler side, and imports nothing that needs a
+A regular subpackage (with its `.cu` and `.c` sources beside it); which backends exist is `offload_connector.backends`.
+Never imports the scheduler side, and imports nothing that needs a
 GPU, CuPy or a driver: the CUDA backends load those when they are built.
 """
 from .api import DIRECTIONS, BlockCopier, Completion, Direction

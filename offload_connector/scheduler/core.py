@@ -255,6 +255,7 @@ class OffloadScheduler:
         self._events = events
         self.jobs.events = events
         self.stores.events = events
+        self.tier.on_removed = events.removed if events.enabled else None
 
     def take_events(self) -> list[Any]:
         """KV cache events (medium "CPU") since the last call: the connector's `take_events()`."""

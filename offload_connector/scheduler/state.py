@@ -1,6 +1,6 @@
 """What the parts of the scheduler side share: the model's layout, the bound KV cache manager, per-request state and
-the counters. Kept apart so that admission, store planning and job bookkeeping depend on these facts, not on each
-other or on the `OffloadScheduler` facade."""
+the counters. Kept apart so that admission, store planning and job bookkeeping depend on these facts and not on the
+`OffloadScheduler` facade (admission and store planning hand their jobs to the job book)."""
 
 from __future__ import annotations
 

@@ -30,14 +30,14 @@ class RequestView:
 @dataclass(frozen=True)
 class LoadView:
     job: TransferJob
-    keys: tuple[Hashable, ...]  # tier keys, in the order of the job's blocks
+    keys: tuple[Hashable, ...]  # tier keys in prefix order (not the group-by-group order of job.gpu_blocks)
     tokens: int
 
 
 @dataclass(frozen=True)
 class StoreJobView:
     request_id: str
-    keys: tuple[Hashable, ...]  # tier keys, in the order of the job's blocks
+    keys: tuple[Hashable, ...]  # tier keys in prefix order (not the group-by-group order of job.gpu_blocks)
     reports: int  # workers that have reported it done so far
 
 
