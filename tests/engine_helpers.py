@@ -89,13 +89,18 @@ class EngineRunError(RuntimeError):
 
 
 def run_engine(script: dict[str, Any], timeout: float = 300.0, log_dir: str | os.PathLike | None = None,
-               env: dict[str, str] | None = None) -> dict[str, Any]:
+               env: dict[str, str] | None = None, drop_env: tuple[str, ...] = (),
+               full_log: bool = False) -> dict[str, Any]:
     """Run `script` in a fresh subprocess engine; raise EngineRunError (with the log tail) on failure or timeout.
-    `env`: extra environment variables for the engine (e.g. a pinned `VLLM_CPU_NUM_OF_RESERVED_CPU`)."""
+    `env`: extra environment variables for the engine (e.g. a pinned `VLLM_CPU_NUM_OF_RESERVED_CPU`); `drop_env`:
+    variables removed from it. The result carries the log's tail under "log_tail", and with `full_log` the whole
+    log under "log"."""
     with tempfile.TemporaryDirectory(prefix="engine-run-", dir=log_dir) as tmp:
         sp, op, lp = Path(tmp, "script.json"), Path(tmp, "out.json"), Path(tmp, "log.txt")
         sp.write_text(json.dumps(script))
         child = child_env(**{"VLLM_ENABLE_V1_MULTIPROCESSING": "0", **(env or {})})
+        for k in drop_env:
+            child.pop(k, None)
         with open(lp, "w") as log:
             proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), str(sp), str(op)],
                                     stdout=log, stderr=subprocess.STDOUT, env=child, cwd=str(REPO),
@@ -109,6 +114,8 @@ def run_engine(script: dict[str, Any], timeout: float = 300.0, log_dir: str | os
             raise EngineRunError(f"engine run failed (exit {rc})\n{_tail(lp)}")
         result = json.loads(op.read_text())
         result["log_tail"] = _tail(lp, 4000)
+        if full_log:
+            result["log"] = lp.read_text(errors="replace")
         return result
 
 
@@ -502,30 +509,9 @@ if __name__ == "__main__":
 # ------------------------------------------------------------------------------------ parallel layouts (TP/PP)
 def run_engine_logged(script: dict[str, Any], timeout: float = 300.0, env: dict[str, str] | None = None,
                       drop_env: tuple[str, ...] = ()) -> dict[str, Any]:
-    """`run_engine`, but the result carries the engine's whole log under "log" (worker processes' lines included,
-    prefixed by vLLM with `(Worker_TP0 pid=...)`, `(Worker_PP1_TP0 pid=...)`, ...), and `drop_env` names variables
-    removed from the engine's environment. On failure EngineRunError carries the log tail as in `run_engine`."""
-    with tempfile.TemporaryDirectory(prefix="engine-run-") as tmp:
-        sp, op, lp = Path(tmp, "script.json"), Path(tmp, "out.json"), Path(tmp, "log.txt")
-        sp.write_text(json.dumps(script))
-        child = child_env(**{"VLLM_ENABLE_V1_MULTIPROCESSING": "0", **(env or {})})
-        for k in drop_env:
-            child.pop(k, None)
-        with open(lp, "w") as log:
-            proc = subprocess.Popen([sys.executable, str(Path(__file__).resolve()), str(sp), str(op)],
-                                    stdout=log, stderr=subprocess.STDOUT, env=child, cwd=str(REPO),
-                                    start_new_session=True)
-            try:
-                rc = proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                _kill_group(proc)
-                raise EngineRunError(f"engine run exceeded {timeout:.0f} s and was killed\n{_tail(lp)}")
-        if rc != 0 or not op.exists():
-            raise EngineRunError(f"engine run failed (exit {rc})\n{_tail(lp)}")
-        result = json.loads(op.read_text())
-        result["log"] = lp.read_text(errors="replace")
-        return result
-
+    """`run_engine` with the engine's whole log under "log" (worker processes' lines included, prefixed by vLLM with
+    `(Worker_TP0 pid=...)`, `(Worker_PP1_TP0 pid=...)`, ...)."""
+    return run_engine(script, timeout, env=env, drop_env=drop_env, full_log=True)
 
 def omp_bind_one_core_per_rank(world_size: int) -> str:
     """A `VLLM_CPU_OMP_THREADS_BIND` value giving each of `world_size` local ranks one allowed CPU, round robin.

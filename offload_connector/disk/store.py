@@ -109,32 +109,27 @@ def _aligned(n: int) -> np.ndarray:
     return np.frombuffer(mmap.mmap(-1, n), dtype=np.uint8)  # anonymous mmaps are page aligned
 
 
-def _pwritev_all(fd: int, bufs: list, off: int) -> None:
+def _vectored_all(op: Any, fd: int, bufs: list, off: int, short: str) -> None:
+    """Run `op` (os.pwritev / os.preadv) until every byte of `bufs` moved; `short` names a call that moved none."""
     views = [memoryview(b).cast("B") for b in bufs]
     while views:
-        n = os.pwritev(fd, views, off)
+        n = op(fd, views, off)
         if n <= 0:
-            raise OSError(errno.EIO, "pwritev wrote nothing")
+            raise OSError(errno.EIO, short.format(off=off))
         off += n
         while views and n >= len(views[0]):
             n -= len(views[0])
             views.pop(0)
         if views and n:
             views[0] = views[0][n:]
+
+
+def _pwritev_all(fd: int, bufs: list, off: int) -> None:
+    _vectored_all(os.pwritev, fd, bufs, off, "pwritev wrote nothing")
 
 
 def _preadv_all(fd: int, bufs: list, off: int) -> None:
-    views = [memoryview(b).cast("B") for b in bufs]
-    while views:
-        n = os.preadv(fd, views, off)
-        if n <= 0:
-            raise OSError(errno.EIO, f"short read at offset {off} (file truncated?)")
-        off += n
-        while views and n >= len(views[0]):
-            n -= len(views[0])
-            views.pop(0)
-        if views and n:
-            views[0] = views[0][n:]
+    _vectored_all(os.preadv, fd, bufs, off, "short read at offset {off} (file truncated?)")
 
 
 class DiskStore:
