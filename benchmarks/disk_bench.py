@@ -207,6 +207,8 @@ def main(argv: list[str] | None = None) -> int:
     need = total + (total // a.slot_bytes) * (slot_stride(a.slot_bytes) - a.slot_bytes) + (64 << 20)
     free = shutil.disk_usage(root).free
     if free < need:
+        if made:
+            os.rmdir(root)  # nothing was written there yet
         _fail(f"--dir {root} has {free >> 20} MiB free, the bench needs {need >> 20} MiB")
     work = tempfile.mkdtemp(prefix="run-", dir=root)
     try:
