@@ -13,6 +13,7 @@ from fractions import Fraction
 from typing import Any, Mapping
 
 from offload_connector.backends import BACKEND_CHOICES
+from offload_connector.disk.format import FILE_NAME as DISK_FILE_NAME
 
 RESERVATION_MODES = ("exact", "vllm")
 ADMISSION_POLICIES = ("fair", "greedy")
@@ -79,6 +80,13 @@ class OffloadConfig:
     # Test aid: the copy of every load is issued this many seconds after the load is submitted (it has not landed
     # until then), so a CPU engine can exercise load_timeout_s against a load that genuinely has not landed.
     debug_copy_delay_s: float = 0.0
+    # The disk tier (off unless both are set): a local directory and its byte budget per worker. Every block that
+    # lands in the CPU tier is also written there in the background (write-through, so evicting a block from the
+    # CPU tier never waits for I/O), a lookup extends into it, and a hit is read back into the CPU tier before its
+    # load. Each worker keeps one preallocated file in its own subdirectory, fingerprinted with the model and KV
+    # layout, so a restarted engine serves what it stored before and a different model never reads it.
+    disk_path: str | None = None
+    disk_bytes: int = 0
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> "OffloadConfig":
@@ -135,6 +143,14 @@ class OffloadConfig:
             values["verify_loads"] = _bool("verify_loads", extra.pop("verify_loads"))
         if "debug_copy_delay_s" in extra:
             values["debug_copy_delay_s"] = _non_negative_float("debug_copy_delay_s", extra.pop("debug_copy_delay_s"))
+        if "disk_path" in extra:
+            values["disk_path"] = _disk_path(extra.pop("disk_path"))
+        if "disk_bytes" in extra:
+            values["disk_bytes"] = parse_byte_size("disk_bytes", extra.pop("disk_bytes"))
+        if (values.get("disk_path") is None) != (values.get("disk_bytes", 0) == 0):
+            missing = "disk_bytes" if values.get("disk_path") is not None else "disk_path"
+            raise ConfigError(f"kv_connector_extra_config: the disk tier needs both 'disk_path' and 'disk_bytes'; "
+                              f"'{missing}' is missing")
         return cls(**values)
 
 
@@ -314,6 +330,37 @@ def _non_negative_float(key: str, value: Any) -> float:
     return float(value)
 
 
+def _disk_path(value: Any) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value.strip():
+        raise ConfigError(f"kv_connector_extra_config: 'disk_path' must be a directory path (a non-empty string) or "
+                          f"null; got {value!r}")
+    return os.path.abspath(os.path.expanduser(value))
+
+
+def check_disk_dir(path: str, disk_bytes: int, workers: int = 1) -> None:
+    """One ConfigError naming 'disk_path' / 'disk_bytes' when the directory cannot be created or written, or its
+    filesystem cannot hold every local worker's file (new files only: a file already there is reused)."""
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as err:
+        raise ConfigError(f"kv_connector_extra_config: 'disk_path' {path!r} cannot be created ({err.strerror})") \
+            from None
+    if not os.path.isdir(path) or not os.access(path, os.W_OK | os.X_OK):
+        raise ConfigError(f"kv_connector_extra_config: 'disk_path' {path!r} is not a writable directory")
+    existing = 0
+    for root, _dirs, files in os.walk(path):
+        existing += sum(os.path.getsize(os.path.join(root, f)) for f in files if f == DISK_FILE_NAME)
+    need = disk_bytes * workers - existing
+    free = os.statvfs(path)
+    have = free.f_bavail * free.f_frsize
+    if need > have:
+        raise ConfigError(f"kv_connector_extra_config: 'disk_bytes' asks for {disk_bytes:,} bytes per worker x "
+                          f"{workers} workers, but the filesystem of {path!r} has only {have:,} bytes free; lower "
+                          f"'disk_bytes' or choose another 'disk_path'")
+
+
 def _bool(key: str, value: Any) -> bool:
     if not isinstance(value, bool):
         raise ConfigError(f"kv_connector_extra_config: '{key}' must be true or false; got {value!r}")
@@ -344,6 +391,8 @@ def check_at_startup(vllm_config: Any) -> OffloadConfig:
         kv_bytes = int(getattr(getattr(vllm_config, "cache_config", None), "kv_cache_memory_bytes", None) or 0)
     check_host_memory(cfg.cpu_bytes, workers, kv_bytes * workers,
                       "of KV cache (vLLM's CPU backend keeps it in host memory)")
+    if cfg.disk_path is not None:
+        check_disk_dir(cfg.disk_path, cfg.disk_bytes, workers)
     return cfg
 
 

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import Any, Hashable, Sequence
 
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
@@ -22,22 +22,29 @@ class TransferJob:
     request_id: str
     group_gpu_blocks: tuple[tuple[int, ...], ...]
     group_host_slots: tuple[tuple[int, ...], ...]
+    # A load only: disk tier entries to read into these host slots (some of the slots above) before the copy.
+    disk_keys: tuple[tuple[int, Hashable], ...] = ()
+    disk_slots: tuple[int, ...] = ()
+    # A load only: report it failed without copying (the scheduler could not give it every host slot it needed).
+    fail_reason: str = ""
 
     def __post_init__(self) -> None:
         if len(self.group_gpu_blocks) != len(self.group_host_slots) or any(
                 len(b) != len(s) for b, s in zip(self.group_gpu_blocks, self.group_host_slots)):
             raise ValueError("a transfer job needs one host slot per GPU block in every group")
+        if len(self.disk_keys) != len(self.disk_slots):
+            raise ValueError("a transfer job needs one host slot per disk read")
 
     @classmethod
     def from_columns(cls, job_id: int, request_id: str, num_groups: int, groups: Sequence[int],
-                     gpu_blocks: Sequence[int], host_slots: Sequence[int]) -> "TransferJob":
+                     gpu_blocks: Sequence[int], host_slots: Sequence[int], **extra: Any) -> "TransferJob":
         """From per-block columns (group, GPU block id, host slot), keeping each group's blocks in column order."""
         gpu: list[list[int]] = [[] for _ in range(num_groups)]
         slots: list[list[int]] = [[] for _ in range(num_groups)]
         for g, block, slot in zip(groups, gpu_blocks, host_slots, strict=True):
             gpu[g].append(block)
             slots[g].append(slot)
-        return cls(job_id, request_id, tuple(map(tuple, gpu)), tuple(map(tuple, slots)))
+        return cls(job_id, request_id, tuple(map(tuple, gpu)), tuple(map(tuple, slots)), **extra)
 
     @property
     def num_blocks(self) -> int:
@@ -60,6 +67,15 @@ class TransferJob:
 
 
 @dataclass(frozen=True)
+class DiskWrite:
+    """Write CPU-tier slot `host_slots[i]` to the disk tier under `keys[i]` (a (group, vLLM block hash) key); the
+    slots stay pinned by the scheduler until every worker reported the job."""
+    job_id: int
+    keys: tuple[tuple[int, Hashable], ...]
+    host_slots: tuple[int, ...]
+
+
+@dataclass(frozen=True)
 class OffloadMetadata(KVConnectorMetadata):
     """One scheduler step's instructions for the workers."""
     step: int
@@ -71,6 +87,13 @@ class OffloadMetadata(KVConnectorMetadata):
     # Store jobs whose source blocks this step hands to another request: the worker must finish reading them
     # before this step's forward writes those blocks.
     store_fences: tuple[int, ...] = ()
+    # The disk tier, applied in this order before this step's loads: forget everything (a cache reset), forget these
+    # keys (evicted or failed; the scheduler decides, so every worker's tier holds the same keys), write these.
+    disk_clear: bool = False
+    disk_drops: tuple[tuple[int, Hashable], ...] = ()
+    disk_writes: tuple[DiskWrite, ...] = ()
+    # CPU-tier slots the scheduler hands out (ids 0..tier_slots-1): each worker checks its tier has as many.
+    tier_slots: int = 0
 
 
 @dataclass
@@ -78,9 +101,13 @@ class OffloadWorkerMetadata(KVConnectorWorkerMetadata):
     """Worker -> scheduler: store jobs that finished (or failed) since the last step."""
     stores_done: list[int] = field(default_factory=list)
     stores_failed: list[int] = field(default_factory=list)
+    disk_writes_done: list[int] = field(default_factory=list)
+    disk_writes_failed: list[int] = field(default_factory=list)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         # With several workers a job is done only when every worker wrote its shard; the scheduler counts reports
         # per job (see StorePlanner), so aggregation just concatenates.
         assert isinstance(other, OffloadWorkerMetadata)
-        return OffloadWorkerMetadata(self.stores_done + other.stores_done, self.stores_failed + other.stores_failed)
+        return OffloadWorkerMetadata(self.stores_done + other.stores_done, self.stores_failed + other.stores_failed,
+                                     self.disk_writes_done + other.disk_writes_done,
+                                     self.disk_writes_failed + other.disk_writes_failed)

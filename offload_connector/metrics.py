@@ -38,6 +38,14 @@ labels):
 | `vllm:offload_connector_cpu_tier_store_rejections_total` | counter | | scheduler | blocks not stored: the tier was full of pinned entries |
 | `vllm:offload_connector_stalls_total` | counter | | scheduler | stalls the watchdog detected |
 | `vllm:offload_connector_stalled` | gauge | | scheduler | 1 while the watchdog sees a stall |
+| `vllm:offload_connector_disk_tier_used_blocks` | gauge | | scheduler | disk-tier slots in use (per worker; every worker holds the same keys) |
+| `vllm:offload_connector_disk_tier_capacity_blocks` | gauge | | scheduler | disk-tier slots in all (per worker) |
+| `vllm:offload_connector_disk_tier_evictions_total` | counter | | scheduler | disk-tier entries evicted to make room |
+| `vllm:offload_connector_disk_tier_read_back_blocks_total` | counter | | scheduler | blocks read back from disk into the CPU tier for loads that landed |
+| `vllm:offload_connector_disk_tier_write_skips_total` | counter | | scheduler | blocks not written to disk: too many writes in flight or every slot busy |
+| `vllm:offload_connector_disk_tier_written_bytes_total` | counter | | worker | bytes written to the disk tier, summed over workers |
+| `vllm:offload_connector_disk_tier_read_bytes_total` | counter | | worker | bytes read from the disk tier, summed over workers |
+| `vllm:offload_connector_disk_tier_io_failures_total` | counter | | worker | disk reads or writes that failed on a worker (I/O error, corrupt slot); a failed read fails its load |
 
 Deferral reasons (a closed set, so the `reason` label stays bounded; add a reason here before recording it):
 
@@ -80,12 +88,20 @@ STALLS = "stalls_detected"
 STORE_REJECTIONS = "cpu_tier_store_rejections"
 LOAD_VERIFY_FAILURES = "load_verify_failures"
 LOADED_TOKENS = "loaded_tokens"
+DISK_EVICTIONS, DISK_READ_BACK, DISK_WRITE_SKIPS = "disk_tier_evictions", "disk_tier_read_back_blocks", \
+    "disk_tier_write_skips"
+DISK_WRITTEN_BYTES, DISK_READ_BYTES, DISK_IO_FAILURES = "disk_tier_written_bytes", "disk_tier_read_bytes", \
+    "disk_tier_io_failures"
 DEFERRAL_PREFIX = "deferrals:"
 # Histogram sample keys.
 LOAD_SECONDS, STORE_SECONDS = "load_seconds", "store_seconds"
 # Gauge keys.
 TIER_USED, TIER_CAPACITY, DEFERRED_REQUESTS = "cpu_tier_used_blocks", "cpu_tier_capacity_blocks", "deferred_requests"
 STALLED = "stalled"
+DISK_USED, DISK_CAPACITY = "disk_tier_used_blocks", "disk_tier_capacity_blocks"
+_GAUGE_KEYS = (TIER_USED, TIER_CAPACITY, DEFERRED_REQUESTS, STALLED, DISK_USED, DISK_CAPACITY)
+_DISK_COUNTERS = (DISK_EVICTIONS, DISK_READ_BACK, DISK_WRITE_SKIPS, DISK_WRITTEN_BYTES, DISK_READ_BYTES,
+                  DISK_IO_FAILURES)
 
 _TRANSFER_KEYS: dict[str, tuple[str, str, str, str]] = {
     "load": (LOADED_BYTES, LOADED_BLOCKS, LOAD_FAILURES, LOAD_SECONDS),
@@ -150,7 +166,7 @@ class OffloadStats(KVConnectorStats):
         self._add(LOADED_TOKENS, tokens)
 
     def set_gauge(self, key: str, value: float) -> None:
-        if key not in (TIER_USED, TIER_CAPACITY, DEFERRED_REQUESTS, STALLED):
+        if key not in _GAUGE_KEYS:
             raise ValueError(f"unknown gauge {key!r}")
         self.data[GAUGES][key] = value
 
@@ -195,7 +211,7 @@ class OffloadStats(KVConnectorStats):
                 out[f"{direction}_GBps"] = _sig(counters.get(nbytes_key, 0) / total / 1e9) if total > 0 else 0.0
         for key, value in counters.items():
             if key.startswith(DEFERRAL_PREFIX) or key in (EVICTIONS, STALLS, STORE_REJECTIONS, LOAD_VERIFY_FAILURES,
-                                                          LOADED_TOKENS):
+                                                          LOADED_TOKENS, *_DISK_COUNTERS):
                 out[key.replace(":", "_")] = value
         out.update(gauges)
         if gauges.get(TIER_CAPACITY):
@@ -221,6 +237,7 @@ class OffloadStatsSink:
         self._sent_gauges: dict[str, float] = {}
         self._evictions_seen = 0
         self._rejections_seen = 0
+        self._disk_seen = (0, 0, 0)
 
     def record_transfer(self, direction: Direction, blocks: int, nbytes: int, seconds: float, ok: bool = True,
                         *, count_blocks: bool = True) -> None:
@@ -249,6 +266,24 @@ class OffloadStatsSink:
             self._stats.record_evictions(delta)
             self._gauges[TIER_USED] = used_slots
             self._gauges[TIER_CAPACITY] = total_slots
+
+    def record_disk_tier(self, used_slots: int, total_slots: int, evictions_total: int, read_back_total: int,
+                         write_skips_total: int) -> None:
+        """Scheduler side, once per step: the disk tier's occupancy and cumulative counts (sent as deltas)."""
+        with self._lock:
+            totals = (evictions_total, read_back_total, write_skips_total)
+            for key, now, seen in zip((DISK_EVICTIONS, DISK_READ_BACK, DISK_WRITE_SKIPS), totals, self._disk_seen):
+                self._stats._add(key, now - seen if now >= seen else now)
+            self._disk_seen = totals
+            self._gauges[DISK_USED] = used_slots
+            self._gauges[DISK_CAPACITY] = total_slots
+
+    def record_disk_io(self, written_bytes: int, read_bytes: int, failures: int) -> None:
+        """Worker side: bytes this worker's disk tier wrote and read since the last call, and failed I/Os."""
+        with self._lock:
+            self._stats._add(DISK_WRITTEN_BYTES, written_bytes)
+            self._stats._add(DISK_READ_BYTES, read_bytes)
+            self._stats._add(DISK_IO_FAILURES, failures)
 
     def record_load_verify_failure(self) -> None:
         """Worker side: a load job whose blocks did not match their stored checksums (also a load failure)."""

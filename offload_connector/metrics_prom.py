@@ -39,6 +39,15 @@ _COUNTERS: dict[str, tuple[str, str]] = {
                                                            "pinned by an in-flight load or store."),
     m.STALLS: ("stalls_total", "Stalls the watchdog detected: no token scheduled for stall_watchdog_steps steps "
                                "while requests waited and no transfer was in flight."),
+    m.DISK_EVICTIONS: ("disk_tier_evictions_total", "Disk-tier entries evicted to make room for new writes."),
+    m.DISK_READ_BACK: ("disk_tier_read_back_blocks_total", "Blocks read back from the disk tier into the CPU tier "
+                                                           "for loads that landed."),
+    m.DISK_WRITE_SKIPS: ("disk_tier_write_skips_total", "Blocks not written to the disk tier: too many writes in "
+                                                        "flight, or every disk slot busy."),
+    m.DISK_WRITTEN_BYTES: ("disk_tier_written_bytes_total", "Bytes written to the disk tier, summed over workers."),
+    m.DISK_READ_BYTES: ("disk_tier_read_bytes_total", "Bytes read from the disk tier, summed over workers."),
+    m.DISK_IO_FAILURES: ("disk_tier_io_failures_total", "Disk-tier reads or writes that failed on a worker (I/O "
+                                                        "error or corrupt slot); a failed read fails its load."),
 }
 _DEFERRALS = ("deferrals_total", (
     "Load decisions other than admitting the full hit now, by reason: pool_full (held back this step, does not fit "
@@ -50,6 +59,8 @@ _GAUGES: dict[str, tuple[str, str]] = {
     m.TIER_CAPACITY: ("cpu_tier_capacity_blocks", "CPU-tier slots in all."),
     m.DEFERRED_REQUESTS: ("deferred_requests", "Requests whose load from the CPU tier is deferred right now."),
     m.STALLED: ("stalled", "1 while the watchdog sees the engine stalled (see stalls_total), else 0."),
+    m.DISK_USED: ("disk_tier_used_blocks", "Disk-tier slots in use, per worker (every worker holds the same keys)."),
+    m.DISK_CAPACITY: ("disk_tier_capacity_blocks", "Disk-tier slots in all, per worker."),
 }
 _USAGE = ("cpu_tier_usage_perc", "CPU-tier usage, used over capacity slots; 1 means 100 percent.")
 _HISTOGRAMS: dict[str, tuple[str, str]] = {

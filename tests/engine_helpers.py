@@ -20,6 +20,7 @@ Script (all keys but "model" and "actions" optional):
         {"op": "generate", "requests": [{"id": "a", "prompt_token_ids": [...], "max_tokens": 8}],
          "max_steps": 2000, "stall_steps": 40},
         {"op": "reset_prefix_cache"},            # waits (bounded) for stores in flight, then resets the GPU cache
+        {"op": "drain"},                         # steps (bounded) until the connector has nothing in flight
         {"op": "corrupt_loads", "count": 1}]}    # arm fault injection for the next `count` finished loads
 
 Result: {"layout": [...], "num_blocks": N, "actions": [per-action results]}; a generate result holds, per request,
@@ -347,6 +348,16 @@ def _child(script_path: str, out_path: str) -> None:
                 tries += 1
             result["actions"].append({"op": op, "ok": ok, "steps": tries,
                                       "free_blocks": sched.kv_cache_manager.block_pool.get_num_free_blocks()})
+        elif op == "drain":
+            # Step an idle engine until the connector has nothing in flight (stores, disk writes), bounded.
+            side = getattr(sconn, "scheduler_side", None)
+            tries = 0
+            while side is not None and side.has_pending_work() and tries < int(act.get("max_steps", 500)):
+                engine.step()
+                tries += 1
+                time.sleep(0.01)
+            result["actions"].append({"op": op, "steps": tries,
+                                      "pending": bool(side is not None and side.has_pending_work())})
         elif op == "corrupt_loads":
             assert injector is not None, "corrupt_loads needs a connector"
             injector.armed += int(act.get("count", 1))
@@ -357,6 +368,11 @@ def _child(script_path: str, out_path: str) -> None:
         result["corrupted"] = injector.corrupted
         result["worker"] = injector.worker_state()
     result["snapshot"] = _snapshot(sconn)
+    disk = getattr(getattr(sconn, "scheduler_side", None), "disk", None)
+    if disk is not None:
+        import dataclasses
+        result["disk"] = {**dataclasses.asdict(disk.counters), "entries": len(disk.catalog),
+                          "capacity": disk.catalog.num_slots}
     Path(out_path).write_text(json.dumps(result))
     # Skip interpreter teardown of the engine (threads, OMP pools): the result is written.
     sys.stdout.flush()

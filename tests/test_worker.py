@@ -361,3 +361,63 @@ def test_transfer_job_is_per_group_and_its_flat_views_agree():
         TransferJob(1, "r", ((1, 2),), ((3,),))
     import pickle
     assert pickle.loads(pickle.dumps(j)) == j
+
+
+def test_worker_refuses_slot_ids_past_its_tier():
+    """Under pipeline parallelism the scheduler sizes the CPU tier from the first stage's blocks; a worker whose tier
+    has fewer slots must stop with a clear error before any copy, not write past its tier."""
+    config, caches, _ = aliased_gemma_like()
+    worker = make_worker(config, caches, 8 * 2 * PAGE)
+    assert worker.num_slots == 8
+    worker.start(OffloadMetadata(step=1, tier_slots=8))
+    with pytest.raises(RuntimeError, match="hands out 9 CPU-tier slots but this worker's tier has 8"):
+        worker.start(OffloadMetadata(step=2, tier_slots=9, stores=(job(1, "a", [(0, 5, 8)]),)))
+
+
+def test_disk_tier_write_through_and_read_back_into_gpu_blocks(tmp_path):
+    """The worker's side of the disk tier: a stored block is written to disk when the scheduler says so; later a load
+    reads it back into another CPU-tier slot first and only then copies it to the GPU."""
+    import time as _time
+    from offload_connector.metadata import DiskWrite
+    from offload_connector.metrics import DISK_READ_BYTES, DISK_WRITTEN_BYTES
+    config, caches, regions = aliased_gemma_like()
+    worker = make_worker(config, caches, 16 * 2 * PAGE, disk_path=str(tmp_path), disk_bytes="4Mi")
+    original = regions.clone()
+    keys = ((0, b"k5"), (2, b"k7"))
+    worker.start(OffloadMetadata(step=1, stores=(job(1, "a", [(0, 5, 3), (2, 7, 9)]),)))
+    worker.transfer_results()
+    assert worker.worker_meta().stores_done == [1]
+    worker.start(OffloadMetadata(step=2, disk_writes=(DiskWrite(1, keys, (3, 9)),)))
+    deadline = _time.monotonic() + 10
+    done: list[int] = []
+    while not done and _time.monotonic() < deadline:
+        worker.transfer_results()
+        meta = worker.worker_meta()
+        done = meta.disk_writes_done if meta is not None else []
+    assert done == [1]
+    # Slots 3 and 9 are reused; the blocks come back from disk into slots 11 and 12, then into GPU blocks 20, 22.
+    worker.host_tier.tensor[[3, 9]] = 0
+    regions[:, [5, 7]] = 0
+    load = TransferJob(2, "b", ((20,), (), (22,)), ((11,), (), (12,)), disk_keys=keys, disk_slots=(11, 12))
+    worker.start(OffloadMetadata(step=3, loads=(load,)))
+    recving: set[str] = set()
+    while not recving and _time.monotonic() < deadline:
+        _, recving, failed = worker.transfer_results()
+        assert not failed
+    assert recving == {"b"}
+    assert torch.equal(regions[:, 20], original[:, 5]) and torch.equal(regions[:, 22], original[:, 7])
+    counters = worker.take_stats().data["counters"]
+    assert counters[DISK_WRITTEN_BYTES] == 2 * 2 * PAGE == counters[DISK_READ_BYTES]
+    worker.shutdown()
+
+
+def test_disk_read_back_of_a_missing_key_fails_the_load(tmp_path):
+    config, caches, regions = aliased_gemma_like()
+    worker = make_worker(config, caches, 16 * 2 * PAGE, disk_path=str(tmp_path), disk_bytes="4Mi")
+    load = TransferJob(1, "b", ((20,), (), ()), ((11,), (), ()), disk_keys=((0, b"never"),), disk_slots=(11,))
+    before = regions.clone()
+    worker.start(OffloadMetadata(step=1, loads=(load,)))
+    _, recving, failed = worker.transfer_results()
+    assert recving == {"b"} and failed == {"b"}
+    assert torch.equal(regions, before)  # nothing was copied into the GPU block
+    worker.shutdown()

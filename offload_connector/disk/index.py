@@ -196,15 +196,18 @@ def scan_records(fd: int, header: Header, num_slots: int | None = None) -> Itera
             yield slot, rec, "ok"
 
 
-def scan_directory(directory: str, fingerprint: DiskFingerprint) -> tuple[Header, list[tuple[int, Record]], int]:
+def scan_directory(directory: str, fingerprint: DiskFingerprint | None
+                   ) -> tuple[Header, list[tuple[int, Record]], int]:
     """Read a disk tier's directory without opening it for writing (e.g. from the scheduler process): its header
     and the valid (slot, record) pairs, and how many records were corrupt. Raises `FingerprintMismatch` when it was
-    written for something else. Data CRCs are not checked here (that is a read of every byte); `DiskStore` checks
+    written for something else (`fingerprint` None: accept the header as it is, e.g. after the worker that owns the
+    directory has opened it, checked it against its own fingerprint and reset it if it did not match). Data CRCs are not checked here (that is a read of every byte); `DiskStore` checks
     each slot's data CRC when it reads it."""
     fd = os.open(os.path.join(directory, FILE_NAME), os.O_RDONLY)
     try:
         header = read_header(fd)
-        check_fingerprint(header, fingerprint)
+        if fingerprint is not None:
+            check_fingerprint(header, fingerprint)
         found, corrupt = [], 0
         for slot, rec, status in scan_records(fd, header):
             if rec is not None:

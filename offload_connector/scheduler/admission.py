@@ -13,6 +13,7 @@ from offload_connector.log import get_logger
 from offload_connector.metadata import TransferJob
 from offload_connector.metrics import OffloadStatsSink
 from offload_connector.scheduler import ledger
+from offload_connector.scheduler.disk_tier import DiskTierPlanner
 from offload_connector.scheduler.fairness import FairQueue
 from offload_connector.scheduler.jobs import JobBook
 from offload_connector.scheduler.lookup import full_prefix_tokens, longest_hit
@@ -52,23 +53,50 @@ class AdmissionControl:
         # (`OffloadScheduler.record_admissions`): in "vllm" reservation mode the plan is computed only for this log.
         self.log: deque[Admission] | None = None
         self._holders_cache: tuple[tuple[int, int, int], int] | None = None
+        # The disk tier (None when off): lookups extend into it, loads read its entries back (scheduler/disk_tier).
+        self.disk: DiskTierPlanner | None = None
 
     def bind(self, kv: KVBinding) -> None:
         self.kv = kv
 
     # ------------------------------------------------------------------ lookup
-    def hit(self, request: Any, upper: int) -> int:
-        """The longest prefix up to `upper` tokens every group can restore from the tier. Notes a shared-prefix end
-        found there without its window, so that store planning keeps a window at it (`ReqState.junctions`)."""
+    def available(self, key: Any) -> bool:
+        """A key a load can copy: a ready CPU-tier entry, or a disk-tier entry to read back first."""
+        return self.tier.is_ready(key) or (self.disk is not None and self.disk.readable(key))
+
+    def hit(self, request: Any, upper: int, local: int = 0) -> int:
+        """The longest prefix up to `upper` tokens every group can restore from the tiers. Notes a shared-prefix end
+        found there without its window, so that store planning keeps a window at it (`ReqState.junctions`).
+
+        With the disk tier, a hit that needs more CPU-tier slots for read-backs than the CPU tier can free now is
+        cut back to what the CPU tier holds alone (`local`: the tokens vLLM already has, which the load skips)."""
         layout = self.layout
         keys = layout.keys(request)
-        full = full_prefix_tokens(layout.groups, keys, self.tier.is_ready, upper)
-        hit = longest_hit(layout.groups, keys, self.tier.is_ready, upper, layout.alignment, full_tokens=full)
+        is_ready = self.available if self.disk is not None else self.tier.is_ready
+        full = full_prefix_tokens(layout.groups, keys, is_ready, upper)
+        hit = longest_hit(layout.groups, keys, is_ready, upper, layout.alignment, full_tokens=full)
+        if self.disk is not None and hit > local:
+            load = self.load_keys(request, local, hit)
+            # Room for every block of the load, not only the read-backs: its CPU-tier entries are pinned first and
+            # may be the very entries has_room counts as evictable.
+            if any(not self.tier.is_ready(key) for _, _, key in load) and not self.tier.has_room(len(load)):
+                full = full_prefix_tokens(layout.groups, keys, self.tier.is_ready, upper)
+                hit = longest_hit(layout.groups, keys, self.tier.is_ready, upper, layout.alignment, full_tokens=full)
         junction = full - full % layout.alignment
         state = self.requests.get(request.request_id)
         if junction > hit and state is not None and layout.has_full and layout.has_recycling:
             state.junctions.add(junction)
         return hit
+
+    def load_keys(self, request: Any, local: int, hit: int) -> list[tuple[int, int, Any]]:
+        """(group, block index, key) of every block a load of tokens `local`..`hit` copies: each group's blocks from
+        the first one still in its window (or chunk) at `hit`, past what vLLM already has."""
+        keys = self.layout.keys(request)
+        out = []
+        for g in self.layout.groups:
+            start = max(local // g.block_size, g.first_live_block(hit))
+            out.extend((g.index, i, keys(g.index, i)) for i in range(start, hit // g.block_size))
+        return out
 
     def match(self, request: Any, state: ReqState, num_computed_tokens: int, step: int) -> tuple[int | None, bool]:
         """vLLM's `get_num_new_matched_tokens` for a request with no load in flight."""
@@ -78,7 +106,7 @@ class AdmissionControl:
         self.counters.lookups += 1
         # Leave at least one prompt token to compute: the step that computes it produces the first output.
         upper = request.num_tokens - 1
-        hit = self.hit(request, upper)
+        hit = self.hit(request, upper, num_computed_tokens)
         if hit - num_computed_tokens < self.config.min_load_tokens:
             state.deferred_since = None
             self.fair.clear(request.request_id)
@@ -262,22 +290,21 @@ class AdmissionControl:
             adm.entries_after = tuple(c[0] for c in counts)
             adm.live_after = tuple(c[1] for c in counts)
         local = hit - num_external_tokens
-        keys = self.layout.keys(request)
-        groups_, gpu, keylist, load_ends = [], [], [], []
-        for g in self.layout.groups:
-            ids = block_ids[g.index]
-            start = max(local // g.block_size, g.first_live_block(hit))
-            for i in range(start, hit // g.block_size):
-                key = keys(g.index, i)
-                groups_.append(g.index)
-                gpu.append(ids[i])
-                keylist.append(key)
-                load_ends.append((i + 1) * g.block_size)
-        groups_, gpu, keylist = in_prefix_order(load_ends, groups_, gpu, keylist)
-        slots = self.tier.pin(keylist)
-        self.tier.touch(keylist)
-        job = TransferJob.from_columns(self.jobs.new_job_id(), rid, len(self.layout.groups), groups_, gpu, slots)
-        self.jobs.add_load(job, keylist, num_external_tokens)
+        groups_, gpu, keylist, load_ends, indices = [], [], [], [], []
+        for gi, i, key in self.load_keys(request, local, hit):
+            groups_.append(gi)
+            gpu.append(block_ids[gi][i])
+            keylist.append(key)
+            indices.append(i)
+            load_ends.append((i + 1) * self.layout.groups[gi].block_size)
+        groups_, gpu, keylist, indices = in_prefix_order(load_ends, groups_, gpu, keylist, indices)
+        if self.disk is None:
+            slots = self.tier.pin(keylist)
+            self.tier.touch(keylist)
+            job = TransferJob.from_columns(self.jobs.new_job_id(), rid, len(self.layout.groups), groups_, gpu, slots)
+            self.jobs.add_load(job, keylist, num_external_tokens)
+        else:
+            self._start_load_with_disk(request, groups_, gpu, keylist, indices, num_external_tokens)
         state.deferred_since = None
         # Blocks below the hit are on the GPU once the load lands; store planning starts after them.
         groups = self.layout.groups
@@ -286,6 +313,41 @@ class AdmissionControl:
         state.window_next = [hit // g.block_size for g in groups]
         self.counters.loads_admitted += 1
         self.counters.loaded_tokens += num_external_tokens
+
+    def _start_load_with_disk(self, request: Any, groups_: list[int], gpu: list[int], keylist: list[Any],
+                              indices: list[int], tokens: int) -> None:
+        """Issue a load whose keys may be partly in the disk tier: those get fresh CPU-tier entries (reserved like a
+        store's, published when the load lands) and the worker reads them from disk into those slots first."""
+        assert self.disk is not None
+        rid = request.request_id
+        in_memory = [k for k in keylist if self.tier.is_ready(k)]
+        on_disk = [k for k in keylist if not self.tier.is_ready(k)]
+        slot_of = dict(zip(in_memory, self.tier.pin(in_memory)))
+        self.tier.touch(in_memory)
+        reserved = self.tier.begin_store(on_disk)
+        slot_of.update(reserved)
+        n_groups = len(self.layout.groups)
+        if len(reserved) < len(on_disk):
+            # `hit` checked the room in this same scheduler call, so only a custom eviction policy that refuses
+            # victims gets here: fail the load (vLLM recomputes the prefix) instead of copying a partial one.
+            self.tier.finish_store([k for k, _ in reserved], ok=False)
+            self.tier.unpin(in_memory)
+            job = TransferJob.from_columns(self.jobs.new_job_id(), rid, n_groups, [], [], [],
+                                           fail_reason="no CPU-tier slot free for a disk read-back")
+            self.jobs.add_load(job, [], tokens)
+            return
+        back = self.disk.pin_for_read(on_disk)
+        events = None
+        if on_disk and self.jobs.events.enabled:
+            promoted = set(on_disk)
+            events = self.jobs.events.describe_store(
+                request, [(g, i) for g, i, k in zip(groups_, indices, keylist) if k in promoted],
+                self.layout.keys(request))
+        job = TransferJob.from_columns(self.jobs.new_job_id(), rid, n_groups, groups_, gpu,
+                                       [slot_of[k] for k in keylist], disk_keys=tuple(on_disk),
+                                       disk_slots=tuple(slot_of[k] for k in on_disk))
+        self.jobs.add_load(job, keylist, tokens, promoted=on_disk, read_back=back if on_disk else None,
+                           events=events)
 
     def _kv(self) -> KVBinding:
         assert self.kv is not None, "bind_kv_cache_manager was not called"

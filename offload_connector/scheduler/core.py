@@ -17,6 +17,8 @@ from offload_connector.metadata import OffloadMetadata, OffloadWorkerMetadata
 from offload_connector.metrics import OffloadStats, OffloadStatsSink
 from offload_connector.scheduler import ledger
 from offload_connector.scheduler.admission import Admission, AdmissionControl
+from offload_connector.disk.placement import disk_slots
+from offload_connector.scheduler.disk_tier import DiskTierPlanner, dp_rank_of, max_writing_blocks
 from offload_connector.scheduler.events import TierEvents, events_enabled
 from offload_connector.scheduler.fairness import FairQueue
 from offload_connector.scheduler.jobs import JobBook
@@ -63,6 +65,17 @@ class OffloadScheduler:
         self.admission = AdmissionControl(config, layout, self.tier, self._requests, self.jobs, self.counters,
                                           self.stats, self.fair)
         self.stores = StorePlanner(config, layout, self.tier, self.jobs, self._events, self.counters)
+        self.disk: DiskTierPlanner | None = None
+        if config.disk_path is not None:
+            self.disk = DiskTierPlanner(self.tier, disk_slots(config.disk_bytes, self.slot_bytes), self.reporters,
+                                        max_writing_blocks(capacity))
+            # The workers opened (and checked) their files when vLLM registered their KV caches, before it built
+            # the scheduler: what every one of them holds is served from the first step.
+            self.disk.recover(config.disk_path, dp_rank_of(vllm_config), pc.pipeline_parallel_size,
+                              pc.tensor_parallel_size)
+            self.jobs.on_stored = self.disk.stored
+            self.jobs.on_read_back = self.disk.read_finished
+            self.admission.disk = self.disk
         self.resets = 0
         # Until the first step, ask vLLM for one (has_pending_work): its stats carry the tier's capacity to
         # /metrics right after start-up instead of after the first request.
@@ -70,7 +83,7 @@ class OffloadScheduler:
         logger.info(
             "offload_connector scheduler side: CPU tier %s per worker = %d slots x %d bytes, shared by %d KV cache "
             "groups (one slot = one block of one group; %s); reservation %s, admission %s%s, eviction %s, "
-            "window checkpoints every %d tokens, min load %d tokens, KV cache events %s",
+            "window checkpoints every %d tokens, min load %d tokens, KV cache events %s; disk tier %s",
             _fmt_bytes(config.cpu_bytes), capacity, self.slot_bytes, len(self.groups),
             "; ".join(f"group {g.index}: {g.kind.value}"
                       + (f" {g.sliding_window}" if g.sliding_window else "")
@@ -81,7 +94,9 @@ class OffloadScheduler:
             f" (holds newer requests after {config.fair_hold_after_steps} steps)"
             if config.admission_policy == "fair" else "",
             config.eviction, config.window_checkpoint_tokens, config.min_load_tokens,
-            "on" if self.events.enabled else "off")
+            "on" if self.events.enabled else "off",
+            f"{config.disk_path} ({self.disk.catalog.num_slots} slots per worker, {self.disk.counters.recovered} "
+            f"recovered)" if self.disk is not None else "off")
 
     # ------------------------------------------------------------------ binding
     def bind(self, kv_cache_manager: Any) -> None:
@@ -154,8 +169,10 @@ class OffloadScheduler:
             self.stores.plan(state, state.request.num_computed_tokens + n, None)
         self._watch(scheduler_output)
         loads, stores, delayed_free = self.jobs.take_step()
+        disk_clear, disk_drops, disk_writes = self.disk.take_step() if self.disk is not None else (False, (), ())
         return OffloadMetadata(step=self._step, loads=loads, stores=stores, delayed_free=delayed_free,
-                               store_fences=fences)
+                               store_fences=fences, disk_clear=disk_clear, disk_drops=disk_drops,
+                               disk_writes=disk_writes, tier_slots=self.tier.capacity_slots)
 
     def _watch(self, scheduler_output: Any) -> None:
         # With no token scheduled nothing runs, so every unfinished request is waiting.
@@ -175,6 +192,11 @@ class OffloadScheduler:
                 self._finish_store(job_id, ok=True)
             for job_id in meta.stores_failed:
                 self._finish_store(job_id, ok=False)
+            if self.disk is not None:
+                for job_id in meta.disk_writes_done:
+                    self.disk.write_finished(job_id, ok=True)
+                for job_id in meta.disk_writes_failed:
+                    self.disk.write_finished(job_id, ok=False)
         for rid in output.finished_sending or ():
             self.jobs.freed(rid)
             state = self._requests.get(rid)
@@ -215,11 +237,16 @@ class OffloadScheduler:
                                self.tier.store_rejections)
         self.stats.record_deferred_requests(
             sum(1 for s in self._requests.values() if s.deferred_since is not None))
+        if self.disk is not None:
+            c = self.disk.counters
+            self.stats.record_disk_tier(self.disk.used_slots(), self.disk.catalog.num_slots, c.evictions,
+                                        c.promoted_blocks, c.write_skips)
         return self.stats.take()
 
     def has_pending_work(self) -> bool:
         # Also while events wait to be published (a reset on an idle engine) and before the first step.
-        return self.jobs.busy() or bool(self.events) or self._startup_step_pending
+        return (self.jobs.busy() or bool(self.events) or self._startup_step_pending
+                or (self.disk is not None and self.disk.busy()))
 
     # ------------------------------------------------------------------ operations
     def reset_cache(self) -> bool:
@@ -234,7 +261,11 @@ class OffloadScheduler:
         what the GPU holds. Readable entries are announced removed (KV cache events). Always succeeds."""
         self.jobs.retire_in_flight()
         before = self.tier.used_slots()
+        if self.disk is not None:  # the disk tier too: a reset (e.g. after a weight update) must not serve old KV
+            self.disk.clear()
         self.tier.clear()
+        if self.disk is not None:
+            self.disk.after_tier_clear()
         for state in self._requests.values():
             if not state.finished:
                 state.full_stored = [0] * len(self.groups)

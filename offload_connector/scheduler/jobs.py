@@ -7,8 +7,8 @@ under a copy. It never decides anything: admission and store planning hand it jo
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Any, Hashable, Mapping
+from dataclasses import dataclass, field
+from typing import Any, Callable, Hashable, Mapping
 
 from offload_connector.metadata import TransferJob
 from offload_connector.scheduler.events import TierEvents
@@ -19,8 +19,13 @@ from offload_connector.scheduler.tier_index import TierIndex
 @dataclass
 class LoadState:
     job: TransferJob
-    keys: list[Hashable]
+    keys: list[Hashable]  # every key the job copies, in job order
     tokens: int = 0  # the external tokens granted to vLLM for this load
+    # Keys read back from the disk tier into freshly reserved CPU-tier entries (published when the load lands), and
+    # the disk-tier side of that read (`DiskTierPlanner.read_finished`).
+    promoted: list[Hashable] = field(default_factory=list)
+    read_back: Any = None
+    events: list[Any] | None = None  # BlockStored events of the promoted entries, published when the load lands
 
 
 @dataclass
@@ -40,6 +45,10 @@ class FinishedLoad:
 class JobBook:
     def __init__(self, tier: TierIndex, events: TierEvents, reporters: int) -> None:
         self.tier = tier
+        # Called with the keys of every store that landed on every worker (the disk tier writes them through).
+        self.on_stored: Callable[[list[Hashable], int], None] | None = None
+        # Called with each finished load that read from the disk tier, and whether it landed.
+        self.on_read_back: Callable[[Any, bool, bool], None] | None = None
         self.events = events
         self.reporters = reporters  # workers that each report every store job (TP x PP)
         self.loads: dict[str, LoadState] = {}  # by request: admitted, copy in flight
@@ -66,8 +75,9 @@ class JobBook:
         self.next_job += 1
         return self.next_job
 
-    def add_load(self, job: TransferJob, keys: list[Hashable], tokens: int) -> None:
-        self.loads[job.request_id] = LoadState(job, keys, tokens)
+    def add_load(self, job: TransferJob, keys: list[Hashable], tokens: int, promoted: list[Hashable] | None = None,
+                 read_back: Any = None, events: list[Any] | None = None) -> None:
+        self.loads[job.request_id] = LoadState(job, keys, tokens, promoted or [], read_back, events)
         self.pending_loads.append(job)
 
     def add_store(self, job: TransferJob, keys: list[Hashable], events: list[Any] | None) -> None:
@@ -133,10 +143,23 @@ class JobBook:
         if load.job.job_id in self.retired_loads:
             self.retired_loads.discard(load.job.job_id)
             self.tier.release_retired(load.job.host_slots)
+            if load.read_back is not None and self.on_read_back is not None:
+                self.on_read_back(load.read_back, ok, True)
             return FinishedLoad(load, live, retired=True)
-        self.tier.unpin(load.keys)
+        if load.promoted:
+            promoted = set(load.promoted)
+            pinned = [k for k in load.keys if k not in promoted]
+            # Read back from disk into entries reserved for them: readable CPU-tier entries now, or dropped.
+            self.tier.finish_store(load.promoted, ok=ok)
+            if ok:
+                self.events.stored(load.events)
+        else:
+            pinned = load.keys
+        self.tier.unpin(pinned)
         if not ok:
-            self.tier.drop(load.keys)
+            self.tier.drop(pinned)
+        if load.read_back is not None and self.on_read_back is not None:
+            self.on_read_back(load.read_back, ok, False)
         return FinishedLoad(load, live, retired=False)
 
     def finish_store(self, job_id: int, ok: bool) -> str | None:
@@ -163,6 +186,8 @@ class JobBook:
             self.tier.finish_store(store.keys, ok=ok)
             if ok:
                 self.events.stored(events)
+                if self.on_stored is not None:
+                    self.on_stored(store.keys, job_id)
         return store.request_id
 
     def retire_in_flight(self) -> None:

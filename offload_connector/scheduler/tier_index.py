@@ -186,7 +186,9 @@ class TierIndex:
                 self.policy.release(key)
 
     # ------------------------------------------------------------------ loads
-    def pin(self, keys: Iterable[Key]) -> list[int]:
+    def pin(self, keys: Iterable[Key], served: bool = True) -> list[int]:
+        """Pin readable entries against eviction and return their slots. `served`: for a load (the policy hears that
+        they served one); False for a copy that only reads them (a disk tier write), which says nothing of reuse."""
         slots = []
         for key in keys:
             entry = self._entries[key]
@@ -194,9 +196,16 @@ class TierIndex:
                 raise KeyError(f"tier entry {key!r} is not readable yet")
             entry.pins += 1
             self.policy.pin(key)
-            self.policy.loaded(key)
+            if served:
+                self.policy.loaded(key)
             slots.append(entry.slot)
         return slots
+
+    def has_room(self, n: int) -> bool:
+        """Whether `begin_store` of `n` new keys would get a slot for each now (free slots and idle entries to
+        evict). Walks the evictable entries only when the free slots do not suffice."""
+        free = self.capacity_slots - self._next_slot + len(self._free_slots)
+        return free >= n or free + sum(1 for _ in self.policy.evictable_keys()) >= n
 
     def unpin(self, keys: Sequence[Key]) -> None:
         for key in reversed(keys):

@@ -55,6 +55,7 @@ class OffloadWorker:
                  copier_factory: CopierFactory | None = None,
                  host_tier_factory: HostTierFactory | None = None) -> None:
         self.config = config
+        self._vllm_config = vllm_config
         self._copier_factory = copier_factory
         self._host_tier_factory = host_tier_factory or allocate_checked_host_tier
         self.kv_cache_config = kv_cache_config
@@ -74,6 +75,10 @@ class OffloadWorker:
         self._stores_done: list[int] = []
         self._stores_failed: list[int] = []
         self._held_loads: list[tuple[int, str, bool]] = []  # (steps left, request, ok): debug_load_delay_steps
+        self.num_slots = 0
+        self.disk: Any = None  # worker.disk_io.WorkerDiskTier when the disk tier is on
+        self._disk_done: list[int] = []
+        self._disk_failed: list[int] = []
         if config.debug_fail_load:
             logger.warning("offload_connector: debug_fail_load is on: every load is reported failed without copying "
                            "(fault injection for tests)")
@@ -90,9 +95,17 @@ class OffloadWorker:
 
         layout, views = build_layout(kv_caches, self.kv_cache_config)
         # The scheduler side's slot count, from the same function: slot ids it hands out exist here.
-        num_slots, _ = tier_slots(self.config.cpu_bytes, self.kv_cache_config)
+        num_slots, tier_slot_bytes = tier_slots(self.config.cpu_bytes, self.kv_cache_config)
         device = views[0].device
         self.host_tier = self._host_tier_factory(num_slots, layout.slot_bytes, device.type == "cuda")
+        self.num_slots = num_slots
+        if self.config.disk_path is not None:
+            from offload_connector.worker.disk_io import WorkerDiskTier, current_rank, fingerprint_for
+            rank = current_rank(self._vllm_config)
+            fingerprint = fingerprint_for(self._vllm_config, self.kv_cache_config, layout.group_bytes,
+                                          layout.slot_bytes, rank)
+            self.disk = WorkerDiskTier.open(self.config.disk_path, self.config.disk_bytes, tier_slot_bytes,
+                                            self.host_tier.tensor, layout.group_bytes, fingerprint, rank)
         hosts = host_views(self.host_tier.tensor, layout)
         copier = (self._copier_factory or make_copier)(self.config.transfer_backend, views, hosts, layout.segments,
                                                        device=device)
@@ -135,18 +148,39 @@ class OffloadWorker:
                 raise RuntimeError("offload_connector: transfers requested before register_kv_caches")
             self._delayed.update(meta.delayed_free)
             return
+        if meta.tier_slots > self.num_slots:
+            # Under pipeline parallelism the scheduler sizes the tier from the first stage's blocks; a stage with
+            # larger blocks has fewer slots, and a slot id past its tier would overwrite memory it does not own.
+            raise RuntimeError(f"offload_connector: the scheduler hands out {meta.tier_slots} CPU-tier slots but this "
+                               f"worker's tier has {self.num_slots} (its KV blocks are larger than the first "
+                               f"pipeline stage's); raise 'cpu_bytes' or balance the pipeline stages")
         self.fence(meta)  # no-op when handle_preemptions already ran for this step
+        if self.disk is not None:
+            self.disk.apply(meta)
         for job in meta.stores:
             self._store_owner[job.job_id] = job.request_id
             self._stores_of.setdefault(job.request_id, set()).add(job.job_id)
             self.engine.submit_store(job)
         for job in meta.loads:
-            self.engine.submit_load(job)
+            if job.disk_keys and self.disk is not None:
+                self.disk.read_back(job)  # copied to the GPU once its blocks are back in the CPU tier (_collect)
+            else:
+                self.engine.submit_load(job)
         self._delayed.update(meta.delayed_free)
 
     def _collect(self) -> None:
         if self.engine is None:
             return
+        if self.disk is not None:
+            for job, failure in self.disk.ready_loads():
+                if failure is None:
+                    self.engine.submit_load(job)
+                else:
+                    self.engine.submit_failed_load(job, failure)
+            done, failed = self.disk.finished_writes()
+            self._disk_done.extend(done)
+            self._disk_failed.extend(failed)
+            self.stats.record_disk_io(*self.disk.io_deltas())
         for result in self.engine.poll():
             job = result.job
             self.stats.record_transfer(result.kind, job.num_blocks, result.nbytes, result.seconds, result.ok,
@@ -187,10 +221,11 @@ class OffloadWorker:
         return sending or None, recving or None
 
     def worker_meta(self) -> OffloadWorkerMetadata | None:
-        if not (self._stores_done or self._stores_failed):
+        if not (self._stores_done or self._stores_failed or self._disk_done or self._disk_failed):
             return None
-        meta = OffloadWorkerMetadata(stores_done=self._stores_done, stores_failed=self._stores_failed)
-        self._stores_done, self._stores_failed = [], []
+        meta = OffloadWorkerMetadata(stores_done=self._stores_done, stores_failed=self._stores_failed,
+                                     disk_writes_done=self._disk_done, disk_writes_failed=self._disk_failed)
+        self._stores_done, self._stores_failed, self._disk_done, self._disk_failed = [], [], [], []
         return meta
 
     def take_stats(self) -> OffloadStats | None:
@@ -199,6 +234,8 @@ class OffloadWorker:
     def shutdown(self) -> None:
         if self.engine is not None:
             self.engine.drain()
+        if self.disk is not None:
+            self.disk.close()  # waits for the writes in flight and fsyncs: a restart finds them
         close = getattr(self.host_tier, "close", None)
         if close is not None:
             close()

@@ -201,8 +201,8 @@ class TransferEngine:
         # request) must keep their old bytes until that store has them.
         self.wait_for_jobs({j for bid in job.gpu_blocks for j in self._readers.get(bid, ())})
         started = time.perf_counter()
-        if self._fail_loads:
-            self._jobs[job.job_id] = _InFlight("load", job, None, started, 0, "injected failure (debug_fail_load)")
+        if self._fail_loads or job.fail_reason:
+            self.submit_failed_load(job, job.fail_reason or "injected failure (debug_fail_load)")
             return
         self._after_zombies(self.load_stream)
         if self.load_stream is not None:
@@ -228,6 +228,12 @@ class TransferEngine:
             self._jobs[job.job_id] = _InFlight("load", job, None, started, 0, issued.error)
             return
         self._jobs[job.job_id] = _InFlight("load", job, issued, started, self._nbytes(job))
+
+    def submit_failed_load(self, job: TransferJob, reason: str) -> None:
+        """A load that failed before any copy (injected, refused by the scheduler, or its disk read-back failed):
+        reported failed by the next poll, like a copy that failed."""
+        logger.warning("offload_connector: load job %d for %s failed: %s", job.job_id, job.request_id, reason)
+        self._jobs[job.job_id] = _InFlight("load", job, None, time.perf_counter(), 0, reason)
 
     # ---------------------------------------------------------------- complete
     def _after_zombies(self, stream: Any) -> None:

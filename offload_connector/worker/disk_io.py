@@ -1,0 +1,150 @@
+"""The disk tier on one worker: its file (`disk.DiskStore`) and the scheduler's instructions for it.
+
+The scheduler side decides everything (which keys to write, drop, read back; `scheduler/disk_tier.py`); this worker
+executes, in the order of each step's metadata: clear, drops, writes. A write reads a CPU-tier slot the scheduler
+keeps pinned until every worker reported the write; a read-back fills a CPU-tier slot reserved for it, and the load
+that needs it is copied to the GPU only once every read of it has landed and verified (`OffloadWorker`).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+from typing import Any, Sequence
+
+from offload_connector.disk import DiskFingerprint
+from offload_connector.disk.placement import disk_budget, disk_slots, rank_dir
+from offload_connector.log import get_logger
+from offload_connector.metadata import DiskWrite, OffloadMetadata, TransferJob
+
+logger = get_logger(__name__)
+
+
+@dataclass
+class _Pending:
+    ios: list[Any]
+    job: TransferJob | None = None  # a load waiting for its read-backs
+
+
+@dataclass
+class DiskRank:
+    """This worker's place among the engine's workers (its directory and what its file's fingerprint records)."""
+    dp: int = 0
+    pp: int = 0
+    tp: int = 0
+    pp_size: int = 1
+    tp_size: int = 1
+
+
+def current_rank(vllm_config: Any) -> DiskRank:
+    """This worker's ranks, from vLLM's parallel groups (all 0 when they are not set up: tests, tools)."""
+    from vllm.distributed import parallel_state as ps
+    pc = getattr(vllm_config, "parallel_config", None)
+    dp = int(getattr(pc, "data_parallel_rank", 0) or 0)
+    pp_size = int(getattr(pc, "pipeline_parallel_size", 1) or 1)
+    tp_size = int(getattr(pc, "tensor_parallel_size", 1) or 1)
+    if not ps.model_parallel_is_initialized():
+        return DiskRank(dp, 0, 0, pp_size, tp_size)
+    return DiskRank(dp, ps.get_pp_group().rank_in_group, ps.get_tensor_model_parallel_rank(), pp_size, tp_size)
+
+
+def fingerprint_for(vllm_config: Any, kv_cache_config: Any, group_bytes: Sequence[int], slot_bytes: int,
+                    rank: DiskRank) -> DiskFingerprint:
+    """What must match for this worker's file to hold this worker's KV blocks: the model, each group's block bytes,
+    block size and layers (so a PP stage never reads another's), the KV dtype and this worker's TP/PP position."""
+    mc = getattr(vllm_config, "model_config", None)
+    cc = getattr(vllm_config, "cache_config", None)
+    groups = kv_cache_config.kv_cache_groups
+    layers = hashlib.sha256(repr([list(g.layer_names) for g in groups]).encode()).hexdigest()[:16]
+    return DiskFingerprint(
+        model=str(getattr(mc, "model", "") or ""),
+        group_block_bytes=tuple(group_bytes),
+        block_sizes=tuple(int(g.kv_cache_spec.block_size) for g in groups),
+        dtype=f"{getattr(cc, 'cache_dtype', 'auto')}/{getattr(mc, 'dtype', '')}",
+        slot_bytes=slot_bytes,
+        extra=f"tp {rank.tp}/{rank.tp_size} pp {rank.pp}/{rank.pp_size} layers {layers}",
+    )
+
+
+class WorkerDiskTier:
+    def __init__(self, store: Any, host: Any, group_bytes: Sequence[int]) -> None:
+        self.store = store
+        self._host = host  # the CPU tier: a (num_slots, slot_bytes) uint8 CPU tensor
+        self._group_bytes = list(group_bytes)
+        self._writes: dict[int, _Pending] = {}
+        self._loads: list[_Pending] = []
+        self._seen = (0, 0, 0)
+
+    @classmethod
+    def open(cls, base_dir: str, disk_bytes: int, tier_slot_bytes: int, host: Any, group_bytes: Sequence[int],
+             fingerprint: DiskFingerprint, rank: DiskRank) -> "WorkerDiskTier":
+        from offload_connector.disk import DiskStore
+
+        directory = rank_dir(base_dir, rank.dp, rank.pp, rank.tp)
+        # The slot count from the scheduler's own function and slot size, so both sides count the same slots.
+        n = disk_slots(disk_bytes, tier_slot_bytes)
+        store = DiskStore(directory, fingerprint, disk_budget(n, fingerprint.slot_bytes), on_mismatch="reset")
+        logger.info("offload_connector worker side: disk tier %s: %d slots x %d bytes, %d entries recovered, %s",
+                    store.path, store.num_slots, fingerprint.slot_bytes, len(store),
+                    "O_DIRECT" if store.direct else f"buffered I/O ({store.direct_reason})")
+        return cls(store, host, group_bytes)
+
+    def _slot(self, key: Any, slot: int) -> Any:
+        return self._host[slot, : self._group_bytes[int(key[0])]]
+
+    # ------------------------------------------------------------------ step
+    def apply(self, meta: OffloadMetadata) -> None:
+        """This step's clear, drops and writes, in that order (as the scheduler planned them)."""
+        if meta.disk_clear:
+            self.store.clear()
+        for key in meta.disk_drops:
+            self.store.drop(key)
+        for write in meta.disk_writes:
+            self._submit_write(write)
+
+    def _submit_write(self, write: DiskWrite) -> None:
+        ios = [self.store.write(key, self._slot(key, slot)) for key, slot in zip(write.keys, write.host_slots)]
+        self._writes[write.job_id] = _Pending(ios)
+
+    def read_back(self, job: TransferJob) -> None:
+        """Start reading `job`'s disk keys into their CPU-tier slots; `ready_loads` hands the job back once done."""
+        ios = [self.store.read(key, self._slot(key, slot)) for key, slot in zip(job.disk_keys, job.disk_slots)]
+        self._loads.append(_Pending(ios, job))
+
+    def ready_loads(self) -> list[tuple[TransferJob, str | None]]:
+        """Loads whose reads have all finished, with why they failed (None: every block read and verified)."""
+        out, still = [], []
+        for pending in self._loads:
+            if not all(io.done() for io in pending.ios):
+                still.append(pending)
+                continue
+            bad = next((io for io in pending.ios if not io.ok), None)
+            out.append((pending.job, None if bad is None else f"disk tier read of {bad.key!r}: {bad.error}"))
+        self._loads = still
+        return out
+
+    def finished_writes(self) -> tuple[list[int], list[int]]:
+        """(done, failed) write jobs since the last call. A write of a key the tier already held counts as done."""
+        done, failed = [], []
+        for job_id, pending in list(self._writes.items()):
+            if all(io.done() for io in pending.ios):
+                del self._writes[job_id]
+                (done if all(io.ok for io in pending.ios) else failed).append(job_id)
+        return done, failed
+
+    def io_deltas(self) -> tuple[int, int, int]:
+        """(bytes written, bytes read, failed I/Os) since the last call."""
+        s = self.store.stats()
+        now = (s.bytes_written, s.bytes_read, s.write_errors + s.read_errors + s.corrupt_dropped)
+        delta = tuple(max(0, a - b) for a, b in zip(now, self._seen))
+        self._seen = now
+        return delta  # type: ignore[return-value]
+
+    def pending(self) -> int:
+        return len(self._writes) + len(self._loads)
+
+    def close(self) -> None:
+        self.store.close()
+
+
+__all__ = ["DiskRank", "WorkerDiskTier", "current_rank", "fingerprint_for"]

