@@ -1,0 +1,44 @@
+"""The shared remote tier: KV blocks in a distributed store that several engines read and write.
+
+- `base`: `RemoteStore` (the interface: put / get / exists / remove / close, per-key results), `RemoteFingerprint`
+  and `RemoteKey` (store keys from a model+layout fingerprint and (group, vLLM block hash)), the value framing
+  (header with version, fingerprint digest, key, length, CRC-32) and `RemoteStats`. Plain Python, no torch/numpy.
+- `redis_store`: `RedisRemoteStore` (redis client, pipelined).
+- `mooncake_store`: `MooncakeRemoteStore` (Mooncake Store's Python client).
+
+`make_remote_store(kind, fingerprint=..., **opts)` builds one by name; the backend modules are imported only then,
+so `import offload_connector.remote` needs neither client library.
+
+This is the storage layer only: the connector's scheduler and worker do not use it yet.
+"""
+from __future__ import annotations
+
+import importlib
+from typing import Any
+
+from offload_connector.remote.base import (
+    FORMAT_VERSION, RemoteConfigError, RemoteFingerprint, RemoteKey, RemoteStats, RemoteStore, RemoteUnavailable,
+)
+
+# kind -> (module under offload_connector.remote, class). A new backend is one module and one line here.
+REMOTE_STORES: dict[str, tuple[str, str]] = {
+    "redis": ("redis_store", "RedisRemoteStore"),
+    "mooncake": ("mooncake_store", "MooncakeRemoteStore"),
+}
+
+
+def make_remote_store(kind: str, **opts: Any) -> RemoteStore:
+    """A `RemoteStore` of `kind` ("redis" or "mooncake"); `opts` are the backend's options plus `fingerprint`
+    (required, a `RemoteFingerprint`). Bad config raises `RemoteConfigError` (one line naming the key and what is
+    accepted); a missing or broken client library raises `RemoteUnavailable`."""
+    if kind not in REMOTE_STORES:
+        raise RemoteConfigError(f"remote store: 'kind' must be one of {sorted(REMOTE_STORES)}; got {kind!r}")
+    if "fingerprint" not in opts:
+        raise RemoteConfigError(f"remote store '{kind}': option 'fingerprint' is required (a RemoteFingerprint)")
+    fingerprint = opts.pop("fingerprint")
+    module, cls = REMOTE_STORES[kind]
+    return getattr(importlib.import_module(f"offload_connector.remote.{module}"), cls)(fingerprint, **opts)
+
+
+__all__ = ["FORMAT_VERSION", "REMOTE_STORES", "RemoteConfigError", "RemoteFingerprint", "RemoteKey", "RemoteStats",
+           "RemoteStore", "RemoteUnavailable", "make_remote_store"]

