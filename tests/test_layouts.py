@@ -267,7 +267,8 @@ def test_pool_too_small_for_max_model_len_is_refused():
 
 
 def test_speculative_decoding_not_simulated():
-    with pytest.raises(NotImplementedError):
+    """Only DeepSeek V4's MTP is simulated (its draft layers' caches are known: tests/test_replay_pp_mtp.py)."""
+    with pytest.raises(L.UnsupportedModelError, match="simulated only as DeepSeek V4's MTP"):
         L.build_vllm_config(GEMMA, max_model_len=4096, max_num_batched_tokens=1024, num_gpu_blocks=512,
                             num_speculative_tokens=2)
 

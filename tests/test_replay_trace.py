@@ -20,7 +20,8 @@ from offload_bench.replay.trace import (
 )
 from offload_bench.replay.workloads import BUILTIN, resolve_trace
 
-GENERATED = ["gemma4-31b-returning", "deepseek-v4-flash-1m", "agent-tool-prefix", "rag-shared-docs", "decode-heavy"]
+GENERATED = ["gemma4-31b-returning", "deepseek-v4-flash-1m", "deepseek-v4-flash-pp-mtp", "agent-tool-prefix",
+             "rag-shared-docs", "decode-heavy"]
 REUSE = ["agent-tool-prefix", "rag-shared-docs", "decode-heavy"]
 
 

@@ -75,6 +75,9 @@ MAX_SEED = 2**63 - 1
 MAX_LIMIT = 10**7
 MAX_STEPS = 2 * 10**6
 MAX_STALL_STEPS = 10**6
+MAX_PIPELINE_PARALLEL = 16  # batches in flight; each adds max_num_batched_tokens to every window's reservation
+MAX_SPEC_TOKENS = 8  # MTP drafts per step (vLLM runs the one MTP layer K times)
+SPEC_MODEL_TYPE = "deepseek_v4"  # speculative decoding is simulated as this model's MTP (sim.layouts.attach_mtp)
 TIME_SCALE = (1e-6, 1e4)  # arrivals stay within ~10^12 simulated seconds, where a 1 ms step is still resolved
 BANDWIDTH_GBPS = (0.01, 1e5)
 STEP_OVERHEAD_MS = (1e-3, 1e5)
@@ -257,6 +260,24 @@ def _its(given: Path, cfg: Path) -> str:
     return "it is" if given == cfg else "its config.json is"
 
 
+def _given_or(given: int | None, workload_default: int | None, default: int) -> int:
+    return given if given is not None else workload_default if workload_default is not None else default
+
+
+def check_speculative(model: str, k: int) -> None:
+    """Speculative decoding is simulated as DeepSeek V4's MTP only: refuse it for another bundled model before vLLM
+    is loaded (a custom config.json is checked by the preflight build, which reads its model_type)."""
+    if not k or "/" in model or not (_MODELS_DIR / model / "config.json").is_file():
+        return
+    try:
+        model_type = json.loads((_MODELS_DIR / model / "config.json").read_text()).get("model_type")
+    except (OSError, ValueError):
+        return
+    if model_type != SPEC_MODEL_TYPE:
+        raise ArgError(f"--num-speculative-tokens {k}: speculative decoding is simulated only as DeepSeek V4's MTP "
+                       f"(--model deepseek-v4-flash), not for {model}")
+
+
 def parse_connectors(text: str) -> tuple[str, ...]:
     names = [c.strip() for c in text.split(",") if c.strip()]
     bad = [c for c in names if c not in CONNECTORS]
@@ -293,7 +314,9 @@ def min_gpu_blocks(settings: Any) -> int | None:
         try:
             vc = build_vllm_config(settings.model, max_model_len=settings.max_model_len,
                                    max_num_batched_tokens=settings.max_num_batched_tokens,
-                                   max_num_seqs=settings.max_num_seqs, num_gpu_blocks=n)
+                                   max_num_seqs=settings.max_num_seqs, num_gpu_blocks=n,
+                                   pipeline_parallel_size=settings.pipeline_parallel_size,
+                                   num_speculative_tokens=settings.num_speculative_tokens)
             build_sim_model(settings.model, vllm_config=vc, num_blocks=n)
             return True
         except ValueError:
@@ -330,6 +353,8 @@ def explain_build_error(settings: Any, what: str, err: BaseException) -> str:
     if "cpu_bytes" in msg and "host block" in msg:
         return f"--cpu-bytes {settings.cpu_bytes:,}: {msg.removeprefix('kv_connector_extra_config: ')}"
     if type(err).__name__ == "UnsupportedModelError":  # sim.layouts: vLLM builds it, the replay cannot lay it out
+        if "speculative decoding" in msg:
+            return f"--num-speculative-tokens {settings.num_speculative_tokens}: {msg}"
         return f"--model {model}: {msg}"
     if "Supported architectures:" in msg:  # vLLM's refusal lists every architecture it knows: name only the one
         return f"--model {model}: {' '.join(msg.split(' Supported architectures:')[0].split())}"
@@ -385,7 +410,8 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--model", help="gemma-4-31b, deepseek-v4-flash, gpt-oss-20b, or a path to a config.json "
                    "(default: the built-in workload's model, else gemma-4-31b)")
     p.add_argument("--trace", help="built-in workload (gemma4-31b-returning, deepseek-v4-flash-1m, "
-                   "mooncake-synthetic, agent-tool-prefix, rag-shared-docs, decode-heavy) or a Mooncake-format "
+                   "deepseek-v4-flash-pp-mtp, mooncake-synthetic, agent-tool-prefix, rag-shared-docs, decode-heavy) or "
+                   "a Mooncake-format "
                    "JSONL file (plain or gzip); default: the model's workload")
     p.add_argument("--connectors", default=",".join(CONNECTORS),
                    help=f"comma-separated, from {', '.join(CONNECTORS)} (default: all)")
@@ -417,6 +443,13 @@ def add_parser(sub: Any) -> None:
                    help=f"cost per prompt token, {TOKEN_US[0]:g} to {TOKEN_US[1]:g} (model default)")
     p.add_argument("--decode-request-us", type=float_in(*TOKEN_US),
                    help=f"cost per decoding request, {TOKEN_US[0]:g} to {TOKEN_US[1]:g} (model default)")
+    p.add_argument("--pipeline-parallel-size", type=int_in(1, MAX_PIPELINE_PARALLEL),
+                   help=f"1 to {MAX_PIPELINE_PARALLEL}: batches vLLM keeps in flight (the stages' layer split is not "
+                        f"simulated; default: the workload's, else 1)")
+    p.add_argument("--num-speculative-tokens", type=int_in(0, MAX_SPEC_TOKENS),
+                   help=f"0 to {MAX_SPEC_TOKENS}: speculative decoding as DeepSeek V4's MTP (deepseek-v4-flash only; "
+                        f"the MTP layer's KV cache is laid out, a seeded share of drafts is accepted; default: the "
+                        f"workload's, else 0)")
     p.add_argument("--no-check-loads", action="store_true", help="skip checking loaded block contents (faster)")
     p.add_argument("--offload-config", type=_offload_config, default={},
                    help='JSON object of kv_connector_extra_config keys for the offload columns, e.g. '
@@ -492,6 +525,12 @@ def run(args: argparse.Namespace) -> int:
         except (TraceError, OSError) as err:
             return fail(PROG, _trace_error(err))
     td = TRACE_DEFAULTS.get(trace, TraceDefaults(None, 1.0))
+    pp = _given_or(args.pipeline_parallel_size, workload.pipeline_parallel_size, 1)
+    spec_k = _given_or(args.num_speculative_tokens, workload.num_speculative_tokens, 0)
+    try:
+        check_speculative(model, spec_k)
+    except ArgError as err:
+        return fail(PROG, err)
     try:
         time_model = time_model_for(model if model in MODEL_DEFAULTS else "", bandwidth_gbps=args.bandwidth_gbps,
                                     overhead_ms=args.step_overhead_ms, prefill_token_us=args.prefill_token_us,
@@ -516,7 +555,8 @@ def run(args: argparse.Namespace) -> int:
             max_model_len=pick(args.max_model_len, md.max_model_len), max_num_seqs=args.max_num_seqs,
             seed=args.seed, stall_steps=args.stall_steps, max_steps=args.max_steps, limit=pick(args.limit, td.limit),
             time_scale=pick(args.time_scale, td.time_scale), check_loads=not args.no_check_loads,
-            offload_extra=tuple(sorted(args.offload_config.items())), time_model=time_model)
+            offload_extra=tuple(sorted(args.offload_config.items())), time_model=time_model,
+            pipeline_parallel_size=pp, num_speculative_tokens=spec_k)
     except ValueError as err:
         return fail(PROG, err)
     problem = preflight([(kind, lambda kind=kind: ReplayEngine(kind, cfg, SimClock(cfg.time_model)))

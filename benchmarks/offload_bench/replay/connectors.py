@@ -49,6 +49,10 @@ class EngineSettings:
     # Extra kv_connector_extra_config keys for our connector's columns (e.g. window_checkpoint_tokens), as JSON
     # pairs so the frozen settings stay hashable.
     offload_extra: tuple[tuple[str, Any], ...] = ()
+    # Batches vLLM keeps in flight under pipeline parallelism (the stages' layer split is not simulated), and the MTP
+    # drafts per step (speculative decoding as DeepSeek V4's MTP: sim.layouts.attach_mtp; 0: off).
+    pipeline_parallel_size: int = 1
+    num_speculative_tokens: int = 0
 
 
 class ReplayEngine:
@@ -94,7 +98,9 @@ class ReplayEngine:
         vc = build_vllm_config(settings.model, max_model_len=settings.max_model_len,
                                max_num_batched_tokens=settings.max_num_batched_tokens,
                                max_num_seqs=settings.max_num_seqs, num_gpu_blocks=settings.num_gpu_blocks,
-                               kv_transfer_config=kv_transfer_config)
+                               kv_transfer_config=kv_transfer_config,
+                               pipeline_parallel_size=settings.pipeline_parallel_size,
+                               num_speculative_tokens=settings.num_speculative_tokens)
         self.vllm_config = vc
         self.sim = build_sim_model(settings.model, vllm_config=vc, num_blocks=settings.num_gpu_blocks)
         self.sched = build_scheduler(self.sim, vc)

@@ -145,11 +145,21 @@ def _finish(kind: str, eng: ReplayEngine, clock: SimClock, total: int, stall_ste
         stall_dump=pool_holders(eng) if stall_step is not None else None,
         extra={"num_blocks": eng.sim.kv_cache_config.num_blocks, "groups": eng.group_names,
                "loads_content_checked": eng.loads_content_checked(),
-               **_load_outcomes(eng),
+               **_load_outcomes(eng), **_spec_outcomes(eng),
                # Which groups' admission count sim/vllm_patched.py replaced (vllm-offloading-patched only).
                **({"admission_fix_groups": list(eng.patched_groups)} if eng.patched_groups else {})},
     )
     return RunOutput(res, eng.recorder.series(), clock.now if stall_step is not None else None)
+
+
+def _spec_outcomes(eng: ReplayEngine) -> dict[str, int]:
+    """Batches the driver kept in flight, and under speculative decoding the drafts scheduled and accepted."""
+    drv = eng.driver
+    out = {"batches_in_flight": int(getattr(drv, "batch_depth", 1))}
+    if getattr(eng.sched, "num_spec_tokens", 0):
+        out.update(drafts_scheduled=int(getattr(drv, "drafts_scheduled", 0)),
+                   drafts_accepted=int(getattr(drv, "drafts_accepted", 0)))
+    return out
 
 
 def _load_outcomes(eng: ReplayEngine) -> dict[str, int]:

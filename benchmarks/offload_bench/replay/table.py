@@ -92,9 +92,10 @@ def header(out: Any) -> str:
         f"model {cfg.model}, vLLM {vllm.__version__}",
         f"pool {cfg.num_gpu_blocks:,} GPU blocks, CPU tier {cfg.cpu_bytes / 2**30:.1f} GiB, "
         f"max_num_batched_tokens {cfg.max_num_batched_tokens}, max_model_len {cfg.max_model_len:,}, "
-        f"max_num_seqs {cfg.max_num_seqs}, async scheduling (2 batches in flight), seed {cfg.seed}, "
-        f"time scale {cfg.time_scale}"
+        f"max_num_seqs {cfg.max_num_seqs}, async scheduling ({_batches_in_flight(out)} batches in flight), "
+        f"seed {cfg.seed}, time scale {cfg.time_scale}"
         + (f", offload config {dict(cfg.offload_extra)}" if getattr(cfg, "offload_extra", ()) else ""),
+        *_parallel_note(out),
         f"step time = {tm.overhead_ms} ms + {tm.prefill_token_us} us x prompt tokens + {tm.decode_request_us} us x "
         f"decoding requests (empty step {tm.idle_step_ms} ms) [{tm.basis}]",
         f"transfers: bytes / {tm.bandwidth_gbps} GB/s per direction, one job after another per direction",
@@ -113,3 +114,29 @@ def _patched_note(out: Any) -> list[str]:
             return [f"vllm-offloading-patched: vLLM's OffloadingConnector on a scheduler whose async-load admission "
                     f"count has the sliding-window/chunked-local fix (sim/vllm_patched.py) on groups {names}"]
     return []
+
+
+def _batches_in_flight(out: Any) -> int:
+    for run in out.runs:
+        depth = run.result.extra.get("batches_in_flight")
+        if depth:
+            return int(depth)
+    return 2
+
+
+def _parallel_note(out: Any) -> list[str]:
+    """Pipeline parallelism and speculative decoding, when on: what the replay simulates of them."""
+    cfg = out.config
+    pp, k = getattr(cfg, "pipeline_parallel_size", 1), getattr(cfg, "num_speculative_tokens", 0)
+    notes = []
+    if pp > 1:
+        notes.append(f"pipeline parallel {pp}: {pp} batches in flight (vLLM's V1-runner max_concurrent_batches); "
+                     f"one simulated worker holds every stage's layers and moves whole blocks")
+    if k:
+        acc = [(r.result.connector, r.result.extra.get("drafts_accepted"), r.result.extra.get("drafts_scheduled"))
+               for r in out.runs if r.result.extra.get("drafts_scheduled")]
+        rates = ", ".join(f"{c} {a / n:.0%}" for c, a, n in acc)
+        notes.append(f"speculative decoding: MTP, {k} drafts per step ({k} lookahead slots; the MTP layer's window "
+                     f"cache in the KV layout); a seeded uniform 0..{k} of each step's drafts accepted"
+                     + (f" (accepted: {rates})" if rates else ""))
+    return notes

@@ -1,7 +1,9 @@
 """Built-in workloads (seeded, deterministic) and resolution of `--trace`.
 
 `gemma4-31b-returning` and `deepseek-v4-flash-1m` follow models-and-traces.md §5: each ends in a phase made to
-exercise admission of simultaneous loads. `agent-tool-prefix`, `rag-shared-docs` and `decode-heavy` exercise
+exercise admission of simultaneous loads; `deepseek-v4-flash-pp-mtp` replays DeepSeek-V4-Flash in the seed's
+deployment (pipeline parallel 4, MTP speculative decoding, contexts to 1M tokens; the workload carries those engine
+settings). `agent-tool-prefix`, `rag-shared-docs` and `decode-heavy` exercise
 reuse: prefixes shared across requests that end inside a later prompt (not where an earlier one ended), returning
 turns behind filler that evicts the GPU prefix cache, and loads that must wait behind long decoders. All are scaled
 down so that every connector replays in minutes on a small CPU machine (shorter outputs, fewer sessions; what is
@@ -30,6 +32,10 @@ class Workload:
     records: tuple[TraceRecord, ...]
     description: str
     default_model: str | None = None
+    # Engine settings the workload was made for (None: the replay's defaults); --pipeline-parallel-size and
+    # --num-speculative-tokens override them.
+    pipeline_parallel_size: int | None = None
+    num_speculative_tokens: int | None = None
 
 
 class _Gen:
@@ -192,6 +198,81 @@ def deepseek_v4_flash_1m(seed: int = 0) -> Workload:
         tb += g.rng.expovariate(1 / 500)
     g.turn("agent-A", ret, 1000, 32, "edge")
     return Workload("deepseek-v4-flash-1m", g.done(), deepseek_v4_flash_1m.__doc__ or "", "deepseek-v4-flash")
+
+
+# The seed's deployment of DeepSeek-V4-Flash: pipeline parallel, MTP speculative decoding, contexts to 1M tokens.
+DSV4_PP_MTP_PIPELINE = 4
+DSV4_PP_MTP_SPEC_TOKENS = 2
+
+
+def deepseek_v4_flash_pp_mtp(seed: int = 0, scale: float = 1.0) -> Workload:
+    """DeepSeek-V4-Flash in the seed's configuration: pipeline parallel 4, MTP speculative decoding with 2 drafts per
+    step, three multi-turn agent sessions whose contexts grow to ~1M tokens (max_model_len 1,048,576; 6,144-block
+    pool, 48 GiB tier, max_num_batched_tokens 1,024).
+
+    1. grow: sessions A (192k), B (256k) and C (128k) start; A grows to 720k and B to 700k; one-shot 16-32k
+       requests between turns evict them from the GPU prefix cache (256-token answers throughout, so the drafts
+       matter).
+    2. burst: A and B return in the same step with 1-2k new tokens each after ~100k tokens of filler: two ~710k-token
+       loads that fit the pool together (2 x ~2,800 blocks of 6,144) but leave less than one more chunk needs with 4
+       batches in flight (the stall region of vLLM's reservation, as in deepseek-v4-flash-1m's k = 2 cell).
+    3. grow-1m: C returns (a ~128k load) and grows to 384k; then A grows to 1,000,000 tokens (a ~722k load plus
+       ~278k computed).
+    4. edge: after filler, A returns with a ~1M context (1,000 new tokens, 32 answered) while 6 one-shot requests
+       (4-32k) decode around it.
+
+    Simulated: vLLM's real scheduler (AsyncScheduler) and KV cache manager over DeepSeek V4's layout with the MTP
+    draft layer's window cache added as vLLM adds it (one `SlidingWindowMLASpec` layer, `is_draft`, which joins a
+    window group and makes it the EAGLE-drop group), `num_speculative_tokens` 2 with 2 lookahead slots and
+    `max_concurrent_batches` 4 as vLLM derives them; each step accepts a seeded uniform 0..2 of a request's drafts
+    (vLLM rolls the rest back). Not simulated: the MTP layer's forward and real acceptance rates (tokens are
+    synthetic), the stages' split of the layers (one worker holds all of them and moves whole blocks; a real stage
+    moves its own layers, in parallel with the others), the pipeline's overlap in time (steps run one after another
+    at the single-GPU step cost) and Model Runner V2 (a Hopper deployment's runner keeps PP + 1 batches in flight;
+    the CPU build's V1 runner, whose scheduler paths the drivers follow, keeps PP). `scale` < 1 shrinks every
+    context and filler for tests (phase 4 then reaches scale x 1M).
+    """
+    g = _Gen(seed)
+    k = round(1024 * scale)
+    step_ms = 0.03  # > simulated cost of one prompt token at 1,024-token steps
+    out_n = 256
+
+    def grow(session: str, t_ms: float, ctx: int, n_out: int, phase: str) -> TraceRecord:
+        prev = g.last[session]
+        return g.turn(session, t_ms, ctx - n_out - prev.input_length - prev.output_length, n_out, phase)
+
+    def fillers(t_ms: float, n: int, phase: str) -> float:
+        for i in range(n):
+            g.one_shot(t_ms + 400 * i, g.rng.randint(16 * k, 32 * k), 16, phase)
+        return t_ms + 400 * n + 32 * k * n * step_ms * 1.3
+
+    t = 0.0
+    for name, ctx in (("agent-A", 192 * k), ("agent-B", 256 * k), ("agent-C", 128 * k)):
+        g.turn(name, t, 0, out_n, "grow", first_input=ctx - out_n)
+        t += ctx * step_ms * 1.3 + 2000
+    t = fillers(t, 3, "grow-filler")
+    for name, ctx in (("agent-A", 720 * k), ("agent-B", 700 * k)):
+        prev = g.last[name]
+        grow(name, t, ctx, out_n, "grow")
+        t += (ctx - prev.input_length - prev.output_length) * step_ms * 1.3 + 2000
+    t = fillers(t, 4, "burst-filler")
+    for name in ("agent-A", "agent-B"):
+        g.turn(name, t, g.rng.randint(1000, 2000), out_n, "burst")
+    t += 2 * 720 * k * step_ms * 1.5 + 20000
+    prev = g.last["agent-C"]
+    grow("agent-C", t, 384 * k, out_n, "grow-1m")
+    t += (384 * k - prev.input_length - prev.output_length) * step_ms * 1.3 + 2000
+    prev = g.last["agent-A"]
+    grow("agent-A", t, round(1_000_000 * scale), 16, "grow-1m")
+    t += (round(1_000_000 * scale) - prev.input_length - prev.output_length) * step_ms * 1.3 + 5000
+    t = fillers(t, 3, "edge-filler")
+    tb = t - 3000
+    for i in range(6):
+        g.one_shot(tb, g.rng.randint(4 * k, 32 * k), g.lognormal(200, 0.5, 64, 512), "edge-background")
+        tb += g.rng.expovariate(1 / 500)
+    g.turn("agent-A", t, 1000, 32, "edge")
+    return Workload("deepseek-v4-flash-pp-mtp", g.done(), deepseek_v4_flash_pp_mtp.__doc__ or "", "deepseek-v4-flash",
+                    pipeline_parallel_size=DSV4_PP_MTP_PIPELINE, num_speculative_tokens=DSV4_PP_MTP_SPEC_TOKENS)
 
 
 def agent_tool_prefix(seed: int = 0) -> Workload:
@@ -367,6 +448,7 @@ def mooncake_synthetic(seed: int = 0) -> Workload:
 BUILTIN: dict[str, Callable[[int], Workload]] = {
     "gemma4-31b-returning": gemma4_31b_returning,
     "deepseek-v4-flash-1m": deepseek_v4_flash_1m,
+    "deepseek-v4-flash-pp-mtp": deepseek_v4_flash_pp_mtp,
     "mooncake-synthetic": mooncake_synthetic,
     "agent-tool-prefix": agent_tool_prefix,
     "rag-shared-docs": rag_shared_docs,

@@ -93,11 +93,16 @@ def build_vllm_config(
     kv_transfer_config: KVTransferConfig | None = None,
     num_speculative_tokens: int = 0,
     enable_prefix_caching: bool = True,
+    pipeline_parallel_size: int = 1,
 ) -> VllmConfig:
-    """A VllmConfig as a CUDA deployment would have it, with the CPU platform's overrides undone."""
-    if num_speculative_tokens:
-        # MTP would add draft layers and SWA retention that need the draft model's config resolved.
-        raise NotImplementedError("speculative decoding is not simulated")
+    """A VllmConfig as a CUDA deployment would have it, with the CPU platform's overrides undone.
+
+    `num_speculative_tokens` > 0: the model's own multi-token-prediction drafter (`--speculative-config
+    '{"method": "mtp", ...}'`), for models whose MTP draft layers `mtp_draft_specs` knows (DeepSeek V4); any other
+    model raises UnsupportedModelError. `pipeline_parallel_size`: how many batches vLLM keeps in flight
+    (`max_concurrent_batches`, which the drivers' batch queue and the connector's in-flight bound read); the stages'
+    split of the layers is not simulated (one worker holds every layer).
+    """
     # A replay sends token ids only: multimodal models (Gemma 3, Llama 4) run as their language model, as with
     # `--language-model-only` (no processor, which would need a tokenizer; the vision tower owns no KV cache).
     mc = ModelConfig(model=model_dir(name_or_path), skip_tokenizer_init=True, dtype="bfloat16",
@@ -127,7 +132,55 @@ def build_vllm_config(
     cc.enable_prefix_caching = enable_prefix_caching
     cc.block_size = block
     cc.num_gpu_blocks = num_gpu_blocks
+    # Set after construction, as sim/custom.py does for the fuzz: vLLM's V1 model runner (the one a CPU build
+    # selects, having no Triton) refuses async scheduling under PP, where a Hopper deployment's Model Runner V2 runs
+    # it; the scheduler and the connector only read the resulting max_concurrent_batches.
+    vc.parallel_config.pipeline_parallel_size = pipeline_parallel_size
+    if num_speculative_tokens:
+        attach_mtp(vc, num_speculative_tokens)
     return vc
+
+
+def _is_deepseek_v4(vc: VllmConfig) -> bool:
+    return getattr(vc.model_config.hf_config, "model_type", None) == "deepseek_v4"
+
+
+def attach_mtp(vc: VllmConfig, num_speculative_tokens: int) -> None:
+    """The SpeculativeConfig `--speculative-config '{"method": "mtp", "num_speculative_tokens": K}'` gives: vLLM
+    resolves the draft from the target's own config.json (DeepSeek V4: `DeepSeekV4MTPModel`, `n_predict` =
+    `num_nextn_predict_layers`), offline. The scheduler and the connector read it through VllmConfig's properties
+    (`num_speculative_tokens`, `num_lookahead_tokens` = K for MTP, EAGLE's last-block drop on the draft's groups)."""
+    from vllm.config import SpeculativeConfig
+
+    if not _is_deepseek_v4(vc):
+        raise UnsupportedModelError(f"{_architecture(vc)}: speculative decoding is simulated only as DeepSeek V4's "
+                                    f"MTP (its draft layers' KV caches are known); not for this model")
+    vc.speculative_config = SpeculativeConfig(method="mtp", num_speculative_tokens=num_speculative_tokens,
+                                              model=vc.model_config.model, target_model_config=vc.model_config,
+                                              target_parallel_config=vc.parallel_config)
+
+
+def mtp_draft_specs(vc: VllmConfig, target: dict[str, KVCacheSpec]) -> dict[str, KVCacheSpec]:
+    """KV cache specs of the MTP draft layers, as vLLM's runner adds them to the target's (`is_draft=True`).
+
+    DeepSeek V4 (vllm/models/deepseek_v4/nvidia/mtp.py): `n_predict` MTP layers numbered from `num_hidden_layers`,
+    each a `DeepseekV4DecoderLayer`; its attention takes compress ratio 1 for a layer index past the main layers
+    (attention.py: "MTP layer is not included in the compress ratio list"), so each owns one sliding-window cache,
+    the same `SlidingWindowMLASpec` (block 64, window 128, fp8_ds_mla) as the main layers' `attn.swa_cache`. The
+    draft model cannot be built here (its CPU class is a stub that raises), so that spec is copied from a main
+    layer's, not derived from the draft's code.
+    """
+    import dataclasses
+
+    spec_cfg = vc.speculative_config
+    if spec_cfg is None or spec_cfg.method != "mtp" or not _is_deepseek_v4(vc):
+        return {}
+    hf = spec_cfg.draft_model_config.hf_config
+    first = hf.num_hidden_layers
+    n = int(getattr(hf, "n_predict", None) or getattr(hf, "num_nextn_predict_layers", 1) or 1)
+    swa = target["model.layers.0.attn.swa_cache"]
+    return {f"model.layers.{i}.attn.swa_cache": dataclasses.replace(swa, is_draft=True)
+            for i in range(first, first + n)}
 
 
 def _without_weight_quantization(hf_config: Any) -> Any:
@@ -445,6 +498,7 @@ def build_sim_model(name_or_path: str, *, vllm_config: VllmConfig, num_blocks: i
         raise ValueError(f"vllm_config was built for {vc.model_config.model}, not {mdir}")
     derived = _derive(vc)
     specs = dict(derived.specs)
+    specs.update(mtp_draft_specs(vc, specs))
     register_all_kvcache_specs(vc)
     layouts = [m.name for m in _attn_utils.get_supported_kv_cache_layouts(list(derived.backends))]
     with simulated_host():  # asks the connector for its layout, which checks its config at start-up

@@ -17,6 +17,7 @@ the (simulated) forward, `wait_for_save`, `get_transfer_results`, `build_connect
 from __future__ import annotations
 
 import pickle
+import random
 from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Sequence
@@ -177,7 +178,8 @@ class VllmOffloadingDriver:
     the batch is scheduled (the model runner executes it while the scheduler moves on).
     """
 
-    def __init__(self, scheduler: Any, worker: VllmOffloadingWorkerSim, batch_depth: int | None = None) -> None:
+    def __init__(self, scheduler: Any, worker: VllmOffloadingWorkerSim, batch_depth: int | None = None,
+                 spec_seed: int = 0) -> None:
         self.sched = scheduler
         self.worker = worker
         if batch_depth is None:
@@ -187,6 +189,11 @@ class VllmOffloadingDriver:
         self._queue: deque[tuple[Any, list[str], list[list[int]], Any]] = deque()
         self.step_no = 0
         self.finished: set[str] = set()
+        # Speculative decoding under async scheduling (AsyncScheduler schedules placeholder drafts): as
+        # SchedulerDriver, a seeded random number (0..scheduled) of a request's drafts is accepted.
+        self._spec_rng = random.Random(spec_seed)
+        self.drafts_scheduled = 0
+        self.drafts_accepted = 0
 
     @property
     def pool(self) -> Any:
@@ -202,9 +209,17 @@ class VllmOffloadingDriver:
         kv_out = self.worker.execute(out, self.step_no)
         req_ids = list(out.num_scheduled_tokens)
         sampled = []
+        spec = getattr(out, "scheduled_spec_decode_tokens", None) or {}
         for rid in req_ids:
             req = self.sched.requests[rid]
-            sampled.append([7] if req.num_computed_tokens >= req.num_tokens else [])
+            if req.num_computed_tokens < req.num_tokens:
+                sampled.append([])
+                continue
+            drafts = len(spec.get(rid, ()))
+            accepted = self._spec_rng.randint(0, drafts) if drafts else 0
+            self.drafts_scheduled += drafts
+            self.drafts_accepted += accepted
+            sampled.append([7] * (1 + accepted))
         self._queue.append((out, req_ids, sampled, kv_out))
         while self._queue and (len(self._queue) >= self.batch_depth or out.total_num_scheduled_tokens == 0):
             self._apply_oldest()
