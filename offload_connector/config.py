@@ -87,6 +87,12 @@ class OffloadConfig:
     # layout, so a restarted engine serves what it stored before and a different model never reads it.
     disk_path: str | None = None
     disk_bytes: int = 0
+    # The shared tier (off unless set): a store several engines share, "redis" or "mooncake", and its options (a
+    # JSON object: e.g. {"url": "redis://host:6379/0"} or {"master_server_address": "host:50051"}; see
+    # offload_connector/remote). Like the disk tier it is written through and read back into the CPU tier; a block is
+    # served only once every worker of the engine that wrote it has written its shard.
+    remote_store: str | None = None
+    remote_options: tuple[tuple[str, Any], ...] = ()
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> "OffloadConfig":
@@ -147,6 +153,17 @@ class OffloadConfig:
             values["disk_path"] = _disk_path(extra.pop("disk_path"))
         if "disk_bytes" in extra:
             values["disk_bytes"] = parse_byte_size("disk_bytes", extra.pop("disk_bytes"))
+        if "remote_store" in extra:
+            from offload_connector.remote import REMOTE_STORES
+            kind = extra.pop("remote_store")
+            values["remote_store"] = None if kind is None else _choice("remote_store", kind, tuple(sorted(REMOTE_STORES)))
+        if "remote_options" in extra:
+            values["remote_options"] = _remote_options(extra.pop("remote_options"))
+        if values.get("remote_options") and values.get("remote_store") is None:
+            raise ConfigError("kv_connector_extra_config: 'remote_options' needs 'remote_store' (one of "
+                              "['mooncake', 'redis'])")
+        if values.get("remote_store") is not None:
+            _check_remote(values["remote_store"], dict(values.get("remote_options", ())))
         if (values.get("disk_path") is None) != (values.get("disk_bytes", 0) == 0):
             missing = "disk_bytes" if values.get("disk_path") is not None else "disk_path"
             raise ConfigError(f"kv_connector_extra_config: the disk tier needs both 'disk_path' and 'disk_bytes'; "
@@ -337,6 +354,30 @@ def _disk_path(value: Any) -> str | None:
         raise ConfigError(f"kv_connector_extra_config: 'disk_path' must be a directory path (a non-empty string) or "
                           f"null; got {value!r}")
     return os.path.abspath(os.path.expanduser(value))
+
+
+def _remote_options(value: Any) -> tuple[tuple[str, Any], ...]:
+    if not isinstance(value, Mapping) or not all(isinstance(k, str) for k in value):
+        raise ConfigError(f"kv_connector_extra_config: 'remote_options' must be a JSON object of the store's options; "
+                          f"got {value!r}")
+    if "client" in value or "fingerprint" in value:
+        raise ConfigError("kv_connector_extra_config: 'remote_options' must not set 'client' or 'fingerprint' (the "
+                          "connector builds them)")
+    return tuple(sorted(value.items()))
+
+
+def _check_remote(kind: str, options: dict[str, Any]) -> None:
+    """Option names checked at the edge (values when the store is opened, at start-up, with the same one line)."""
+    import importlib
+
+    from offload_connector.remote import REMOTE_STORES, RemoteConfigError
+    module = importlib.import_module(f"offload_connector.remote.{REMOTE_STORES[kind][0]}")
+    accepted = [o for o in module.OPTIONS if o != "client"]
+    try:
+        from offload_connector.remote.base import check_options
+        check_options(kind, options, accepted)
+    except RemoteConfigError as exc:
+        raise ConfigError(f"kv_connector_extra_config: 'remote_options': {exc}") from None
 
 
 def check_disk_dir(path: str, disk_bytes: int, workers: int = 1) -> None:

@@ -25,6 +25,9 @@ class TransferJob:
     # A load only: disk tier entries to read into these host slots (some of the slots above) before the copy.
     disk_keys: tuple[tuple[int, Hashable], ...] = ()
     disk_slots: tuple[int, ...] = ()
+    # A load only: shared-tier blocks to fetch into these host slots before the copy.
+    remote_keys: tuple[tuple[int, Hashable], ...] = ()
+    remote_slots: tuple[int, ...] = ()
     # A load only: report it failed without copying (the scheduler could not give it every host slot it needed).
     fail_reason: str = ""
 
@@ -32,8 +35,8 @@ class TransferJob:
         if len(self.group_gpu_blocks) != len(self.group_host_slots) or any(
                 len(b) != len(s) for b, s in zip(self.group_gpu_blocks, self.group_host_slots)):
             raise ValueError("a transfer job needs one host slot per GPU block in every group")
-        if len(self.disk_keys) != len(self.disk_slots):
-            raise ValueError("a transfer job needs one host slot per disk read")
+        if len(self.disk_keys) != len(self.disk_slots) or len(self.remote_keys) != len(self.remote_slots):
+            raise ValueError("a transfer job needs one host slot per disk or shared-tier read")
 
     @classmethod
     def from_columns(cls, job_id: int, request_id: str, num_groups: int, groups: Sequence[int],
@@ -67,9 +70,9 @@ class TransferJob:
 
 
 @dataclass(frozen=True)
-class DiskWrite:
-    """Write CPU-tier slot `host_slots[i]` to the disk tier under `keys[i]` (a (group, vLLM block hash) key); the
-    slots stay pinned by the scheduler until every worker reported the job."""
+class TierWrite:
+    """Write CPU-tier slot `host_slots[i]` to a second tier (disk or shared) under `keys[i]`, a (group, vLLM block
+    hash) key; the slots stay pinned by the scheduler until every worker reported the job."""
     job_id: int
     keys: tuple[tuple[int, Hashable], ...]
     host_slots: tuple[int, ...]
@@ -91,7 +94,10 @@ class OffloadMetadata(KVConnectorMetadata):
     # keys (evicted or failed; the scheduler decides, so every worker's tier holds the same keys), write these.
     disk_clear: bool = False
     disk_drops: tuple[tuple[int, Hashable], ...] = ()
-    disk_writes: tuple[DiskWrite, ...] = ()
+    disk_writes: tuple[TierWrite, ...] = ()
+    # The shared tier: write these blocks' shards (every worker its own) to the shared store.
+    remote_writes: tuple[TierWrite, ...] = ()
+    remote_epoch: int = 0  # counts cache resets: the shared tier's keys live in a namespace per epoch
     # CPU-tier slots the scheduler hands out (ids 0..tier_slots-1): each worker checks its tier has as many.
     tier_slots: int = 0
 
@@ -103,6 +109,8 @@ class OffloadWorkerMetadata(KVConnectorWorkerMetadata):
     stores_failed: list[int] = field(default_factory=list)
     disk_writes_done: list[int] = field(default_factory=list)
     disk_writes_failed: list[int] = field(default_factory=list)
+    remote_writes_done: list[int] = field(default_factory=list)
+    remote_writes_failed: list[int] = field(default_factory=list)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         # With several workers a job is done only when every worker wrote its shard; the scheduler counts reports
@@ -110,4 +118,6 @@ class OffloadWorkerMetadata(KVConnectorWorkerMetadata):
         assert isinstance(other, OffloadWorkerMetadata)
         return OffloadWorkerMetadata(self.stores_done + other.stores_done, self.stores_failed + other.stores_failed,
                                      self.disk_writes_done + other.disk_writes_done,
-                                     self.disk_writes_failed + other.disk_writes_failed)
+                                     self.disk_writes_failed + other.disk_writes_failed,
+                                     self.remote_writes_done + other.remote_writes_done,
+                                     self.remote_writes_failed + other.remote_writes_failed)

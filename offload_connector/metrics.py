@@ -45,6 +45,12 @@ labels):
 | `vllm:offload_connector_disk_tier_write_skips_total` | counter | | scheduler | blocks not written to disk: too many writes in flight or every slot busy |
 | `vllm:offload_connector_disk_tier_written_bytes_total` | counter | | worker | bytes written to the disk tier, summed over workers |
 | `vllm:offload_connector_disk_tier_read_bytes_total` | counter | | worker | bytes read from the disk tier, summed over workers |
+| `vllm:offload_connector_shared_tier_read_back_blocks_total` | counter | | scheduler | blocks fetched from the shared tier into the CPU tier for loads that landed |
+| `vllm:offload_connector_shared_tier_written_blocks_total` | counter | | scheduler | blocks every worker wrote to the shared tier (marker put) |
+| `vllm:offload_connector_shared_tier_write_skips_total` | counter | | scheduler | blocks not written to the shared tier: too many writes in flight |
+| `vllm:offload_connector_shared_tier_written_bytes_total` | counter | | worker | bytes written to the shared tier, summed over workers |
+| `vllm:offload_connector_shared_tier_read_bytes_total` | counter | | worker | bytes fetched from the shared tier, summed over workers |
+| `vllm:offload_connector_shared_tier_failures_total` | counter | | worker | shared-tier puts or gets that failed or were rejected (missing, another model, corrupt) |
 | `vllm:offload_connector_disk_tier_io_failures_total` | counter | | worker | disk reads or writes that failed on a worker (I/O error, corrupt slot); a failed read fails its load |
 
 Deferral reasons (a closed set, so the `reason` label stays bounded; add a reason here before recording it):
@@ -99,9 +105,14 @@ LOAD_SECONDS, STORE_SECONDS = "load_seconds", "store_seconds"
 TIER_USED, TIER_CAPACITY, DEFERRED_REQUESTS = "cpu_tier_used_blocks", "cpu_tier_capacity_blocks", "deferred_requests"
 STALLED = "stalled"
 DISK_USED, DISK_CAPACITY = "disk_tier_used_blocks", "disk_tier_capacity_blocks"
+REMOTE_READ_BACK, REMOTE_WRITTEN, REMOTE_WRITE_SKIPS = "shared_tier_read_back_blocks", \
+    "shared_tier_written_blocks", "shared_tier_write_skips"
+REMOTE_WRITTEN_BYTES, REMOTE_READ_BYTES, REMOTE_FAILURES = "shared_tier_written_bytes", "shared_tier_read_bytes", \
+    "shared_tier_failures"
 _GAUGE_KEYS = (TIER_USED, TIER_CAPACITY, DEFERRED_REQUESTS, STALLED, DISK_USED, DISK_CAPACITY)
 _DISK_COUNTERS = (DISK_EVICTIONS, DISK_READ_BACK, DISK_WRITE_SKIPS, DISK_WRITTEN_BYTES, DISK_READ_BYTES,
-                  DISK_IO_FAILURES)
+                  DISK_IO_FAILURES, REMOTE_READ_BACK, REMOTE_WRITTEN, REMOTE_WRITE_SKIPS, REMOTE_WRITTEN_BYTES,
+                  REMOTE_READ_BYTES, REMOTE_FAILURES)
 
 _TRANSFER_KEYS: dict[str, tuple[str, str, str, str]] = {
     "load": (LOADED_BYTES, LOADED_BLOCKS, LOAD_FAILURES, LOAD_SECONDS),
@@ -238,6 +249,7 @@ class OffloadStatsSink:
         self._evictions_seen = 0
         self._rejections_seen = 0
         self._disk_seen = (0, 0, 0)
+        self._remote_seen = (0, 0, 0)
 
     def record_transfer(self, direction: Direction, blocks: int, nbytes: int, seconds: float, ok: bool = True,
                         *, count_blocks: bool = True) -> None:
@@ -277,6 +289,22 @@ class OffloadStatsSink:
             self._disk_seen = totals
             self._gauges[DISK_USED] = used_slots
             self._gauges[DISK_CAPACITY] = total_slots
+
+    def record_remote_tier(self, read_back_total: int, write_skips_total: int, written_total: int) -> None:
+        """Scheduler side, once per step: the shared tier's cumulative counts (sent as deltas)."""
+        with self._lock:
+            totals = (read_back_total, write_skips_total, written_total)
+            for key, now, seen in zip((REMOTE_READ_BACK, REMOTE_WRITE_SKIPS, REMOTE_WRITTEN), totals,
+                                      self._remote_seen):
+                self._stats._add(key, now - seen if now >= seen else now)
+            self._remote_seen = totals
+
+    def record_remote_io(self, written_bytes: int, read_bytes: int, failures: int) -> None:
+        """Worker side: bytes this worker put to and got from the shared tier since the last call, and failures."""
+        with self._lock:
+            self._stats._add(REMOTE_WRITTEN_BYTES, written_bytes)
+            self._stats._add(REMOTE_READ_BYTES, read_bytes)
+            self._stats._add(REMOTE_FAILURES, failures)
 
     def record_disk_io(self, written_bytes: int, read_bytes: int, failures: int) -> None:
         """Worker side: bytes this worker's disk tier wrote and read since the last call, and failed I/Os."""

@@ -46,6 +46,16 @@ _COUNTERS: dict[str, tuple[str, str]] = {
                                                         "flight, or every disk slot busy."),
     m.DISK_WRITTEN_BYTES: ("disk_tier_written_bytes_total", "Bytes written to the disk tier, summed over workers."),
     m.DISK_READ_BYTES: ("disk_tier_read_bytes_total", "Bytes read from the disk tier, summed over workers."),
+    m.REMOTE_READ_BACK: ("shared_tier_read_back_blocks_total", "Blocks fetched from the shared tier into the CPU "
+                                                               "tier for loads that landed."),
+    m.REMOTE_WRITTEN: ("shared_tier_written_blocks_total", "Blocks every worker wrote to the shared tier."),
+    m.REMOTE_WRITE_SKIPS: ("shared_tier_write_skips_total", "Blocks not written to the shared tier: too many writes "
+                                                            "in flight."),
+    m.REMOTE_WRITTEN_BYTES: ("shared_tier_written_bytes_total", "Bytes written to the shared tier, summed over "
+                                                                "workers."),
+    m.REMOTE_READ_BYTES: ("shared_tier_read_bytes_total", "Bytes fetched from the shared tier, summed over workers."),
+    m.REMOTE_FAILURES: ("shared_tier_failures_total", "Shared-tier puts or gets that failed or were rejected on a "
+                                                      "worker (missing, another model, corrupt)."),
     m.DISK_IO_FAILURES: ("disk_tier_io_failures_total", "Disk-tier reads or writes that failed on a worker (I/O "
                                                         "error or corrupt slot); a failed read fails its load."),
 }

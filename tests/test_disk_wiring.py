@@ -14,7 +14,7 @@ from offload_connector.config import ConfigError, OffloadConfig
 from offload_connector.disk import DiskFingerprint, DiskStore
 from offload_connector.disk.format import HEADER_BYTES, slot_stride
 from offload_connector.disk.placement import disk_budget, disk_slots, rank_dir
-from offload_connector.metadata import DiskWrite, OffloadMetadata, TransferJob
+from offload_connector.metadata import TierWrite, OffloadMetadata, TransferJob
 from offload_connector.scheduler.disk_tier import DiskTierPlanner, max_writing_blocks
 from offload_connector.scheduler.tier_index import TierIndex
 from offload_connector.worker.disk_io import WorkerDiskTier
@@ -78,7 +78,7 @@ def test_landed_store_is_written_through_pinned_until_every_worker_reports() -> 
     _store(tier, keys)
     disk.stored(keys, job_id=7)
     clear, drops, writes = disk.take_step()
-    assert not clear and drops == () and writes == (DiskWrite(7, tuple(keys), tuple(tier.slot_of(k) for k in keys)),)
+    assert not clear and drops == () and writes == (TierWrite(7, tuple(keys), tuple(tier.slot_of(k) for k in keys)),)
     assert all(tier.pin_count(k) == 1 for k in keys)  # a write reads the slots: they must not be evicted
     assert not any(disk.readable(k) for k in keys)
     disk.write_finished(7, ok=True)  # one worker of two
@@ -231,14 +231,14 @@ def test_worker_writes_then_reads_back_the_same_bytes(tmp_path) -> None:
     host[0] = torch.arange(SLOT, dtype=torch.int64).remainder(251).to(torch.uint8)
     host[1, : SLOT // 2] = 7  # a group-1 block: half a slot
     keys = (_key(1, g=0), _key(2, g=1))
-    w.apply(OffloadMetadata(step=1, disk_writes=(DiskWrite(5, keys, (0, 1)),)))
+    w.apply(OffloadMetadata(step=1, disk_writes=(TierWrite(5, keys, (0, 1)),)))
     done = []
     _until(lambda: done.extend(w.finished_writes()[0]) or done)
     assert done == [5]
     job = TransferJob(9, "r", ((3, 4), ()), ((2, 3), ()), disk_keys=keys, disk_slots=(2, 3))
-    w.read_back(job)
-    ready = _until(w.ready_loads)
-    assert ready == [(job, None)]
+    ios = w.read_back(job)
+    _until(lambda: all(io.done() for io in ios))
+    assert [io.ok for io in ios] == [True, True]
     assert torch.equal(host[2], host[0]) and torch.equal(host[3, : SLOT // 2], host[1, : SLOT // 2])
     written, read, failures = w.io_deltas()
     assert written == SLOT + SLOT // 2 and read == written and failures == 0
@@ -248,7 +248,7 @@ def test_worker_writes_then_reads_back_the_same_bytes(tmp_path) -> None:
 def test_worker_read_of_a_corrupt_slot_fails_the_load(tmp_path) -> None:
     w, host = _worker(tmp_path)
     host[0] = 3
-    w.apply(OffloadMetadata(step=1, disk_writes=(DiskWrite(1, (_key(1),), (0,)),)))
+    w.apply(OffloadMetadata(step=1, disk_writes=(TierWrite(1, (_key(1),), (0,)),)))
     _until(lambda: w.finished_writes()[0])
     path = w.store.path
     with open(path, "r+b") as f:  # flip one byte of slot 0's data
@@ -256,20 +256,20 @@ def test_worker_read_of_a_corrupt_slot_fails_the_load(tmp_path) -> None:
         b = f.read(1)
         f.seek(HEADER_BYTES + 100)
         f.write(bytes([b[0] ^ 0xFF]))
-    w.read_back(TransferJob(2, "r", ((0,), ()), ((5,), ()), disk_keys=(_key(1),), disk_slots=(5,)))
-    [(job, failure)] = _until(w.ready_loads)
-    assert failure is not None and "corrupt" in failure
+    [io] = w.read_back(TransferJob(2, "r", ((0,), ()), ((5,), ()), disk_keys=(_key(1),), disk_slots=(5,)))
+    _until(io.done)
+    assert not io.ok and "corrupt" in io.error
     assert w.io_deltas()[2] >= 1
     w.close()
 
 
 def test_worker_clear_and_drops_follow_the_metadata_order(tmp_path) -> None:
     w, host = _worker(tmp_path)
-    w.apply(OffloadMetadata(step=1, disk_writes=(DiskWrite(1, (_key(1), _key(2)), (0, 1)),)))
+    w.apply(OffloadMetadata(step=1, disk_writes=(TierWrite(1, (_key(1), _key(2)), (0, 1)),)))
     _until(lambda: w.finished_writes()[0])
     w.apply(OffloadMetadata(step=2, disk_drops=(_key(1),)))
     assert not w.store.contains(_key(1)) and w.store.contains(_key(2))
-    w.apply(OffloadMetadata(step=3, disk_clear=True, disk_writes=(DiskWrite(2, (_key(3),), (2,)),)))
+    w.apply(OffloadMetadata(step=3, disk_clear=True, disk_writes=(TierWrite(2, (_key(3),), (2,)),)))
     _until(lambda: w.finished_writes()[0])
     assert w.store.keys() == [_key(3)]
     w.close()
@@ -278,7 +278,7 @@ def test_worker_clear_and_drops_follow_the_metadata_order(tmp_path) -> None:
 def test_a_different_model_never_reads_the_file(tmp_path) -> None:
     w, host = _worker(tmp_path)
     host[0] = 9
-    w.apply(OffloadMetadata(step=1, disk_writes=(DiskWrite(1, (_key(1),), (0,)),)))
+    w.apply(OffloadMetadata(step=1, disk_writes=(TierWrite(1, (_key(1),), (0,)),)))
     _until(lambda: w.finished_writes()[0])
     w.close()
     other, _ = _worker(tmp_path, DiskFingerprint("another-model", (SLOT, SLOT), (16, 16), "bf16", SLOT))

@@ -249,6 +249,13 @@ class RemoteStore(ABC):
         self._lock = threading.Lock()
         self._closed = False
 
+    def set_epoch(self, epoch: int) -> None:
+        """Move to the namespace of cache-reset epoch `epoch` (the configured namespace at 0, then "<ns>-e<n>"):
+        an engine whose cache was reset (e.g. after a weight update) never reads what it could see before."""
+        base = getattr(self, "_base_namespace", None) or self.keys.namespace
+        self._base_namespace = base
+        self.keys = RemoteKey(self.fingerprint, base if epoch == 0 else f"{base}-e{epoch}")
+
     # -- raw operations, one per backend -------------------------------------------------------------------------
     @abstractmethod
     def _put_raw(self, names: list[str], values: list[bytes]) -> list[bool]:

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Callable
 
 from offload_connector.config import OffloadConfig
 from offload_connector.groups import cdiv
@@ -15,6 +15,7 @@ from offload_connector.metrics import OffloadStatsSink
 from offload_connector.scheduler import ledger
 from offload_connector.scheduler.disk_tier import DiskTierPlanner
 from offload_connector.scheduler.fairness import FairQueue
+from offload_connector.scheduler.remote_tier import Fetch, RemoteTierPlanner
 from offload_connector.scheduler.jobs import JobBook
 from offload_connector.scheduler.lookup import full_prefix_tokens, longest_hit
 from offload_connector.scheduler.state import KVBinding, Layout, ReqState, SchedulerCounters
@@ -55,27 +56,44 @@ class AdmissionControl:
         self._holders_cache: tuple[tuple[int, int, int], int] | None = None
         # The disk tier (None when off): lookups extend into it, loads read its entries back (scheduler/disk_tier).
         self.disk: DiskTierPlanner | None = None
+        # The shared tier (None when off): the same, from a store several engines share (scheduler/remote_tier).
+        self.remote: RemoteTierPlanner | None = None
 
     def bind(self, kv: KVBinding) -> None:
         self.kv = kv
 
     # ------------------------------------------------------------------ lookup
     def available(self, key: Any) -> bool:
-        """A key a load can copy: a ready CPU-tier entry, or a disk-tier entry to read back first."""
+        """A key a load can copy from a tier of this host: a ready CPU-tier entry, or a disk-tier entry to read back
+        first."""
         return self.tier.is_ready(key) or (self.disk is not None and self.disk.readable(key))
 
-    def hit(self, request: Any, upper: int, local: int = 0) -> int:
+    def _ready_fn(self, request: Any, upper: int, step: int) -> Callable[[Any], bool]:
+        """`available`, plus the blocks the shared tier holds (one batched query per request, cached by the
+        planner) when it is on."""
+        if self.remote is None:
+            return self.available if self.disk is not None else self.tier.is_ready
+        keys = self.layout.keys(request)
+        upper = min(upper, keys.hashed_tokens())
+        candidates = [keys(g.index, i) for g in self.layout.groups for i in range(upper // g.block_size)]
+        present = self.remote.present(request.request_id, [k for k in candidates if not self.available(k)], step)
+        if not present:
+            return self.available
+        return lambda key: self.available(key) or key in present
+
+    def hit(self, request: Any, upper: int, local: int = 0, step: int = 0) -> int:
         """The longest prefix up to `upper` tokens every group can restore from the tiers. Notes a shared-prefix end
         found there without its window, so that store planning keeps a window at it (`ReqState.junctions`).
 
-        With the disk tier, a hit that needs more CPU-tier slots for read-backs than the CPU tier can free now is
-        cut back to what the CPU tier holds alone (`local`: the tokens vLLM already has, which the load skips)."""
+        With a second tier (disk, shared), a hit that needs more CPU-tier slots for read-backs than the CPU tier can
+        free now is cut back to what the CPU tier holds alone (`local`: the tokens vLLM already has, which the load
+        skips)."""
         layout = self.layout
         keys = layout.keys(request)
-        is_ready = self.available if self.disk is not None else self.tier.is_ready
+        is_ready = self._ready_fn(request, upper, step)
         full = full_prefix_tokens(layout.groups, keys, is_ready, upper)
         hit = longest_hit(layout.groups, keys, is_ready, upper, layout.alignment, full_tokens=full)
-        if self.disk is not None and hit > local:
+        if (self.disk is not None or self.remote is not None) and hit > local:
             load = self.load_keys(request, local, hit)
             # Room for every block of the load, not only the read-backs: its CPU-tier entries are pinned first and
             # may be the very entries has_room counts as evictable.
@@ -106,7 +124,7 @@ class AdmissionControl:
         self.counters.lookups += 1
         # Leave at least one prompt token to compute: the step that computes it produces the first output.
         upper = request.num_tokens - 1
-        hit = self.hit(request, upper, num_computed_tokens)
+        hit = self.hit(request, upper, num_computed_tokens, step)
         if hit - num_computed_tokens < self.config.min_load_tokens:
             state.deferred_since = None
             self.fair.clear(request.request_id)
@@ -298,13 +316,13 @@ class AdmissionControl:
             indices.append(i)
             load_ends.append((i + 1) * self.layout.groups[gi].block_size)
         groups_, gpu, keylist, indices = in_prefix_order(load_ends, groups_, gpu, keylist, indices)
-        if self.disk is None:
+        if self.disk is None and self.remote is None:
             slots = self.tier.pin(keylist)
             self.tier.touch(keylist)
             job = TransferJob.from_columns(self.jobs.new_job_id(), rid, len(self.layout.groups), groups_, gpu, slots)
             self.jobs.add_load(job, keylist, num_external_tokens)
         else:
-            self._start_load_with_disk(request, groups_, gpu, keylist, indices, num_external_tokens)
+            self._start_load_with_read_backs(request, groups_, gpu, keylist, indices, num_external_tokens)
         state.deferred_since = None
         # Blocks below the hit are on the GPU once the load lands; store planning starts after them.
         groups = self.layout.groups
@@ -314,40 +332,49 @@ class AdmissionControl:
         self.counters.loads_admitted += 1
         self.counters.loaded_tokens += num_external_tokens
 
-    def _start_load_with_disk(self, request: Any, groups_: list[int], gpu: list[int], keylist: list[Any],
+    def _start_load_with_read_backs(self, request: Any, groups_: list[int], gpu: list[int], keylist: list[Any],
                               indices: list[int], tokens: int) -> None:
-        """Issue a load whose keys may be partly in the disk tier: those get fresh CPU-tier entries (reserved like a
-        store's, published when the load lands) and the worker reads them from disk into those slots first."""
-        assert self.disk is not None
+        """Issue a load whose keys may be partly in a second tier (disk, shared): those get fresh CPU-tier entries
+        (reserved like a store's, published when the load lands) and the worker reads them into those slots first."""
         rid = request.request_id
         in_memory = [k for k in keylist if self.tier.is_ready(k)]
-        on_disk = [k for k in keylist if not self.tier.is_ready(k)]
+        on_disk = [k for k in keylist if not self.tier.is_ready(k) and self.disk is not None and self.disk.readable(k)]
+        from_disk = set(on_disk)
+        remote = [k for k in keylist if not self.tier.is_ready(k) and k not in from_disk]
         slot_of = dict(zip(in_memory, self.tier.pin(in_memory)))
         self.tier.touch(in_memory)
-        reserved = self.tier.begin_store(on_disk)
+        promoted = on_disk + remote
+        reserved = self.tier.begin_store(promoted)
         slot_of.update(reserved)
         n_groups = len(self.layout.groups)
-        if len(reserved) < len(on_disk):
+        if len(reserved) < len(promoted) or (remote and self.remote is None):
             # `hit` checked the room in this same scheduler call, so only a custom eviction policy that refuses
             # victims gets here: fail the load (vLLM recomputes the prefix) instead of copying a partial one.
             self.tier.finish_store([k for k, _ in reserved], ok=False)
             self.tier.unpin(in_memory)
             job = TransferJob.from_columns(self.jobs.new_job_id(), rid, n_groups, [], [], [],
-                                           fail_reason="no CPU-tier slot free for a disk read-back")
+                                           fail_reason="no CPU-tier slot free for a read-back")
             self.jobs.add_load(job, [], tokens)
             return
-        back = self.disk.pin_for_read(on_disk)
+        after: list[tuple[Callable[[Any, bool, bool], None], Any]] = []
+        if on_disk:
+            assert self.disk is not None
+            after.append((self.disk.read_finished, self.disk.pin_for_read(on_disk)))
+        if remote:
+            assert self.remote is not None
+            after.append((self.remote.fetch_finished, Fetch(list(remote))))
+            self.remote.forget(rid)
         events = None
-        if on_disk and self.jobs.events.enabled:
-            promoted = set(on_disk)
+        if promoted and self.jobs.events.enabled:
+            fresh = set(promoted)
             events = self.jobs.events.describe_store(
-                request, [(g, i) for g, i, k in zip(groups_, indices, keylist) if k in promoted],
+                request, [(g, i) for g, i, k in zip(groups_, indices, keylist) if k in fresh],
                 self.layout.keys(request))
         job = TransferJob.from_columns(self.jobs.new_job_id(), rid, n_groups, groups_, gpu,
-                                       [slot_of[k] for k in keylist], disk_keys=tuple(on_disk),
-                                       disk_slots=tuple(slot_of[k] for k in on_disk))
-        self.jobs.add_load(job, keylist, tokens, promoted=on_disk, read_back=back if on_disk else None,
-                           events=events)
+                                       [slot_of[k] for k in keylist],
+                                       disk_keys=tuple(on_disk), disk_slots=tuple(slot_of[k] for k in on_disk),
+                                       remote_keys=tuple(remote), remote_slots=tuple(slot_of[k] for k in remote))
+        self.jobs.add_load(job, keylist, tokens, promoted=promoted, read_back=after, events=events)
 
     def _kv(self) -> KVBinding:
         assert self.kv is not None, "bind_kv_cache_manager was not called"

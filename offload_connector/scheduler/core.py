@@ -20,6 +20,7 @@ from offload_connector.scheduler.admission import Admission, AdmissionControl
 from offload_connector.disk.placement import disk_slots
 from offload_connector.scheduler.disk_tier import DiskTierPlanner, dp_rank_of, max_writing_blocks
 from offload_connector.scheduler.events import TierEvents, events_enabled
+from offload_connector.scheduler.remote_tier import RemoteTierPlanner, open_marker_store
 from offload_connector.scheduler.fairness import FairQueue
 from offload_connector.scheduler.jobs import JobBook
 from offload_connector.scheduler.state import KVBinding, Layout, ReqState, SchedulerCounters
@@ -73,9 +74,15 @@ class OffloadScheduler:
             # the scheduler: what every one of them holds is served from the first step.
             self.disk.recover(config.disk_path, dp_rank_of(vllm_config), pc.pipeline_parallel_size,
                               pc.tensor_parallel_size)
-            self.jobs.on_stored = self.disk.stored
-            self.jobs.on_read_back = self.disk.read_finished
+            self.jobs.on_stored.append(self.disk.stored)
             self.admission.disk = self.disk
+        self.remote: RemoteTierPlanner | None = None
+        self.remote_epoch = 0
+        if config.remote_store is not None:
+            markers = open_marker_store(config, vllm_config, kv_cache_config, self.groups)
+            self.remote = RemoteTierPlanner(markers, self.tier, self.reporters, max_writing_blocks(capacity))
+            self.jobs.on_stored.append(self.remote.stored)
+            self.admission.remote = self.remote
         self.resets = 0
         # Until the first step, ask vLLM for one (has_pending_work): its stats carry the tier's capacity to
         # /metrics right after start-up instead of after the first request.
@@ -83,7 +90,7 @@ class OffloadScheduler:
         logger.info(
             "offload_connector scheduler side: CPU tier %s per worker = %d slots x %d bytes, shared by %d KV cache "
             "groups (one slot = one block of one group; %s); reservation %s, admission %s%s, eviction %s, "
-            "window checkpoints every %d tokens, min load %d tokens, KV cache events %s; disk tier %s",
+            "window checkpoints every %d tokens, min load %d tokens, KV cache events %s; disk tier %s; shared tier %s",
             _fmt_bytes(config.cpu_bytes), capacity, self.slot_bytes, len(self.groups),
             "; ".join(f"group {g.index}: {g.kind.value}"
                       + (f" {g.sliding_window}" if g.sliding_window else "")
@@ -96,7 +103,8 @@ class OffloadScheduler:
             config.eviction, config.window_checkpoint_tokens, config.min_load_tokens,
             "on" if self.events.enabled else "off",
             f"{config.disk_path} ({self.disk.catalog.num_slots} slots per worker, {self.disk.counters.recovered} "
-            f"recovered)" if self.disk is not None else "off")
+            f"recovered)" if self.disk is not None else "off",
+            config.remote_store or "off")
 
     # ------------------------------------------------------------------ binding
     def bind(self, kv_cache_manager: Any) -> None:
@@ -172,7 +180,9 @@ class OffloadScheduler:
         disk_clear, disk_drops, disk_writes = self.disk.take_step() if self.disk is not None else (False, (), ())
         return OffloadMetadata(step=self._step, loads=loads, stores=stores, delayed_free=delayed_free,
                                store_fences=fences, disk_clear=disk_clear, disk_drops=disk_drops,
-                               disk_writes=disk_writes, tier_slots=self.tier.capacity_slots)
+                               disk_writes=disk_writes, tier_slots=self.tier.capacity_slots,
+                               remote_writes=self.remote.take_step() if self.remote is not None else (),
+                               remote_epoch=self.remote_epoch)
 
     def _watch(self, scheduler_output: Any) -> None:
         # With no token scheduled nothing runs, so every unfinished request is waiting.
@@ -197,6 +207,11 @@ class OffloadScheduler:
                     self.disk.write_finished(job_id, ok=True)
                 for job_id in meta.disk_writes_failed:
                     self.disk.write_finished(job_id, ok=False)
+            if self.remote is not None:
+                for job_id in meta.remote_writes_done:
+                    self.remote.write_finished(job_id, ok=True)
+                for job_id in meta.remote_writes_failed:
+                    self.remote.write_finished(job_id, ok=False)
         for rid in output.finished_sending or ():
             self.jobs.freed(rid)
             state = self._requests.get(rid)
@@ -237,6 +252,9 @@ class OffloadScheduler:
                                self.tier.store_rejections)
         self.stats.record_deferred_requests(
             sum(1 for s in self._requests.values() if s.deferred_since is not None))
+        if self.remote is not None:
+            r = self.remote.counters
+            self.stats.record_remote_tier(r.fetched_blocks, r.write_skips, r.writes_landed)
         if self.disk is not None:
             c = self.disk.counters
             self.stats.record_disk_tier(self.disk.used_slots(), self.disk.catalog.num_slots, c.evictions,
@@ -246,7 +264,7 @@ class OffloadScheduler:
     def has_pending_work(self) -> bool:
         # Also while events wait to be published (a reset on an idle engine) and before the first step.
         return (self.jobs.busy() or bool(self.events) or self._startup_step_pending
-                or (self.disk is not None and self.disk.busy()))
+                or (self.disk is not None and self.disk.busy()) or (self.remote is not None and self.remote.busy()))
 
     # ------------------------------------------------------------------ operations
     def reset_cache(self) -> bool:
@@ -263,9 +281,16 @@ class OffloadScheduler:
         before = self.tier.used_slots()
         if self.disk is not None:  # the disk tier too: a reset (e.g. after a weight update) must not serve old KV
             self.disk.clear()
+        if self.remote is not None:
+            # The shared pool is other engines' too and is not emptied: this engine moves to a new namespace epoch
+            # (markers and shards), so it neither reads what was written before the reset nor mixes with it.
+            self.remote.clear()
+            self.remote_epoch += 1
+            self.remote.set_epoch(self.remote_epoch)
         self.tier.clear()
-        if self.disk is not None:
-            self.disk.after_tier_clear()
+        for second in (self.disk, self.remote):
+            if second is not None:
+                second.after_tier_clear()
         for state in self._requests.values():
             if not state.finished:
                 state.full_stored = [0] * len(self.groups)

@@ -26,7 +26,7 @@ from offload_connector.disk.format import DiskFormatError
 from offload_connector.disk.index import DiskEntry, DiskIndex, scan_directory
 from offload_connector.disk.placement import rank_dir
 from offload_connector.log import get_logger
-from offload_connector.metadata import DiskWrite
+from offload_connector.metadata import TierWrite
 from offload_connector.scheduler.tier_index import TierIndex
 
 logger = get_logger(__name__)
@@ -71,7 +71,7 @@ class DiskTierPlanner:
         self.counters = DiskCounters()
         self._writing: dict[int, _Writing] = {}
         self._writing_blocks = 0
-        self._pending_writes: list[DiskWrite] = []
+        self._pending_writes: list[TierWrite] = []
         self._pending_drops: list[Key] = []
         self._clear_pending = False
         self._release_after_clear: list[tuple[int, ...]] = []  # CPU-tier slots of writes a reset cancelled unsent
@@ -167,7 +167,7 @@ class DiskTierPlanner:
         slots = tuple(self.tier.pin(chosen, served=False))
         self._writing[job_id] = _Writing(tuple(chosen), slots)
         self._writing_blocks += len(chosen)
-        self._pending_writes.append(DiskWrite(job_id, tuple(chosen), slots))
+        self._pending_writes.append(TierWrite(job_id, tuple(chosen), slots))
         self.counters.writes_issued += len(chosen)
 
     def write_finished(self, job_id: int, ok: bool) -> None:
@@ -223,7 +223,7 @@ class DiskTierPlanner:
         self._release_after_clear.clear()
 
     # ------------------------------------------------------------------- step
-    def take_step(self) -> tuple[bool, tuple[Key, ...], tuple[DiskWrite, ...]]:
+    def take_step(self) -> tuple[bool, tuple[Key, ...], tuple[TierWrite, ...]]:
         """(clear, drops, writes) for this step's metadata."""
         out = (self._clear_pending, tuple(self._pending_drops), tuple(self._pending_writes))
         self._clear_pending, self._pending_drops, self._pending_writes = False, [], []

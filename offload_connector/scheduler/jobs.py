@@ -21,10 +21,10 @@ class LoadState:
     job: TransferJob
     keys: list[Hashable]  # every key the job copies, in job order
     tokens: int = 0  # the external tokens granted to vLLM for this load
-    # Keys read back from the disk tier into freshly reserved CPU-tier entries (published when the load lands), and
-    # the disk-tier side of that read (`DiskTierPlanner.read_finished`).
+    # Keys read back from a second tier (disk, shared) into freshly reserved CPU-tier entries (published when the
+    # load lands), and what to tell each second tier when the load finishes: callback(read, ok, retired).
     promoted: list[Hashable] = field(default_factory=list)
-    read_back: Any = None
+    read_back: list[tuple[Callable[[Any, bool, bool], None], Any]] = field(default_factory=list)
     events: list[Any] | None = None  # BlockStored events of the promoted entries, published when the load lands
 
 
@@ -45,10 +45,8 @@ class FinishedLoad:
 class JobBook:
     def __init__(self, tier: TierIndex, events: TierEvents, reporters: int) -> None:
         self.tier = tier
-        # Called with the keys of every store that landed on every worker (the disk tier writes them through).
-        self.on_stored: Callable[[list[Hashable], int], None] | None = None
-        # Called with each finished load that read from the disk tier, and whether it landed.
-        self.on_read_back: Callable[[Any, bool, bool], None] | None = None
+        # Called with the keys of every store that landed on every worker (second tiers write them through).
+        self.on_stored: list[Callable[[list[Hashable], int], None]] = []
         self.events = events
         self.reporters = reporters  # workers that each report every store job (TP x PP)
         self.loads: dict[str, LoadState] = {}  # by request: admitted, copy in flight
@@ -76,8 +74,9 @@ class JobBook:
         return self.next_job
 
     def add_load(self, job: TransferJob, keys: list[Hashable], tokens: int, promoted: list[Hashable] | None = None,
-                 read_back: Any = None, events: list[Any] | None = None) -> None:
-        self.loads[job.request_id] = LoadState(job, keys, tokens, promoted or [], read_back, events)
+                 read_back: list[tuple[Callable[[Any, bool, bool], None], Any]] | None = None,
+                 events: list[Any] | None = None) -> None:
+        self.loads[job.request_id] = LoadState(job, keys, tokens, promoted or [], read_back or [], events)
         self.pending_loads.append(job)
 
     def add_store(self, job: TransferJob, keys: list[Hashable], events: list[Any] | None) -> None:
@@ -143,8 +142,8 @@ class JobBook:
         if load.job.job_id in self.retired_loads:
             self.retired_loads.discard(load.job.job_id)
             self.tier.release_retired(load.job.host_slots)
-            if load.read_back is not None and self.on_read_back is not None:
-                self.on_read_back(load.read_back, ok, True)
+            for callback, read in load.read_back:
+                callback(read, ok, True)
             return FinishedLoad(load, live, retired=True)
         if load.promoted:
             promoted = set(load.promoted)
@@ -158,8 +157,8 @@ class JobBook:
         self.tier.unpin(pinned)
         if not ok:
             self.tier.drop(pinned)
-        if load.read_back is not None and self.on_read_back is not None:
-            self.on_read_back(load.read_back, ok, False)
+        for callback, read in load.read_back:
+            callback(read, ok, False)
         return FinishedLoad(load, live, retired=False)
 
     def finish_store(self, job_id: int, ok: bool) -> str | None:
@@ -186,8 +185,8 @@ class JobBook:
             self.tier.finish_store(store.keys, ok=ok)
             if ok:
                 self.events.stored(events)
-                if self.on_stored is not None:
-                    self.on_stored(store.keys, job_id)
+                for callback in self.on_stored:
+                    callback(store.keys, job_id)
         return store.request_id
 
     def retire_in_flight(self) -> None:

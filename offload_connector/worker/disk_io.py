@@ -3,7 +3,7 @@
 The scheduler side decides everything (which keys to write, drop, read back; `scheduler/disk_tier.py`); this worker
 executes, in the order of each step's metadata: clear, drops, writes. A write reads a CPU-tier slot the scheduler
 keeps pinned until every worker reported the write; a read-back fills a CPU-tier slot reserved for it, and the load
-that needs it is copied to the GPU only once every read of it has landed and verified (`OffloadWorker`).
+that needs it is copied to the GPU only once every read of it has landed and verified (`OffloadWorker.land_reads`).
 """
 
 from __future__ import annotations
@@ -15,15 +15,9 @@ from typing import Any, Sequence
 from offload_connector.disk import DiskFingerprint
 from offload_connector.disk.placement import disk_budget, disk_slots, rank_dir
 from offload_connector.log import get_logger
-from offload_connector.metadata import DiskWrite, OffloadMetadata, TransferJob
+from offload_connector.metadata import TierWrite, OffloadMetadata, TransferJob
 
 logger = get_logger(__name__)
-
-
-@dataclass
-class _Pending:
-    ios: list[Any]
-    job: TransferJob | None = None  # a load waiting for its read-backs
 
 
 @dataclass
@@ -71,8 +65,7 @@ class WorkerDiskTier:
         self.store = store
         self._host = host  # the CPU tier: a (num_slots, slot_bytes) uint8 CPU tensor
         self._group_bytes = list(group_bytes)
-        self._writes: dict[int, _Pending] = {}
-        self._loads: list[_Pending] = []
+        self._writes: dict[int, list[Any]] = {}
         self._seen = (0, 0, 0)
 
     @classmethod
@@ -102,34 +95,21 @@ class WorkerDiskTier:
         for write in meta.disk_writes:
             self._submit_write(write)
 
-    def _submit_write(self, write: DiskWrite) -> None:
-        ios = [self.store.write(key, self._slot(key, slot)) for key, slot in zip(write.keys, write.host_slots)]
-        self._writes[write.job_id] = _Pending(ios)
+    def _submit_write(self, write: TierWrite) -> None:
+        self._writes[write.job_id] = [self.store.write(key, self._slot(key, slot))
+                                      for key, slot in zip(write.keys, write.host_slots)]
 
-    def read_back(self, job: TransferJob) -> None:
-        """Start reading `job`'s disk keys into their CPU-tier slots; `ready_loads` hands the job back once done."""
-        ios = [self.store.read(key, self._slot(key, slot)) for key, slot in zip(job.disk_keys, job.disk_slots)]
-        self._loads.append(_Pending(ios, job))
-
-    def ready_loads(self) -> list[tuple[TransferJob, str | None]]:
-        """Loads whose reads have all finished, with why they failed (None: every block read and verified)."""
-        out, still = [], []
-        for pending in self._loads:
-            if not all(io.done() for io in pending.ios):
-                still.append(pending)
-                continue
-            bad = next((io for io in pending.ios if not io.ok), None)
-            out.append((pending.job, None if bad is None else f"disk tier read of {bad.key!r}: {bad.error}"))
-        self._loads = still
-        return out
+    def read_back(self, job: TransferJob) -> list[Any]:
+        """Start reading `job`'s disk keys into their CPU-tier slots; one `DiskIO` handle per block."""
+        return [self.store.read(key, self._slot(key, slot)) for key, slot in zip(job.disk_keys, job.disk_slots)]
 
     def finished_writes(self) -> tuple[list[int], list[int]]:
         """(done, failed) write jobs since the last call. A write of a key the tier already held counts as done."""
         done, failed = [], []
-        for job_id, pending in list(self._writes.items()):
-            if all(io.done() for io in pending.ios):
+        for job_id, ios in list(self._writes.items()):
+            if all(io.done() for io in ios):
                 del self._writes[job_id]
-                (done if all(io.ok for io in pending.ios) else failed).append(job_id)
+                (done if all(io.ok for io in ios) else failed).append(job_id)
         return done, failed
 
     def io_deltas(self) -> tuple[int, int, int]:
@@ -141,7 +121,7 @@ class WorkerDiskTier:
         return delta  # type: ignore[return-value]
 
     def pending(self) -> int:
-        return len(self._writes) + len(self._loads)
+        return len(self._writes)
 
     def close(self) -> None:
         self.store.close()

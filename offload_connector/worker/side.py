@@ -77,8 +77,14 @@ class OffloadWorker:
         self._held_loads: list[tuple[int, str, bool]] = []  # (steps left, request, ok): debug_load_delay_steps
         self.num_slots = 0
         self.disk: Any = None  # worker.disk_io.WorkerDiskTier when the disk tier is on
+        self.remote: Any = None  # worker.remote_io.WorkerRemoteTier when the shared tier is on
+        self._remote_epoch = 0
+        # Loads waiting for their blocks to come back from disk or the shared tier: (job, completion handles).
+        self._reading: list[tuple[TransferJob, list[Any]]] = []
         self._disk_done: list[int] = []
         self._disk_failed: list[int] = []
+        self._remote_done: list[int] = []
+        self._remote_failed: list[int] = []
         if config.debug_fail_load:
             logger.warning("offload_connector: debug_fail_load is on: every load is reported failed without copying "
                            "(fault injection for tests)")
@@ -106,6 +112,14 @@ class OffloadWorker:
                                           layout.slot_bytes, rank)
             self.disk = WorkerDiskTier.open(self.config.disk_path, self.config.disk_bytes, tier_slot_bytes,
                                             self.host_tier.tensor, layout.group_bytes, fingerprint, rank)
+        if self.config.remote_store is not None:
+            from offload_connector.worker.disk_io import current_rank, fingerprint_for
+            from offload_connector.worker.remote_io import WorkerRemoteTier
+            rank = current_rank(self._vllm_config)
+            fingerprint = fingerprint_for(self._vllm_config, self.kv_cache_config, layout.group_bytes,
+                                          layout.slot_bytes, rank)
+            self.remote = WorkerRemoteTier.open(self.config.remote_store, dict(self.config.remote_options),
+                                                fingerprint, rank, self.host_tier.tensor, layout.group_bytes)
         hosts = host_views(self.host_tier.tensor, layout)
         copier = (self._copier_factory or make_copier)(self.config.transfer_backend, views, hosts, layout.segments,
                                                        device=device)
@@ -157,13 +171,18 @@ class OffloadWorker:
         self.fence(meta)  # no-op when handle_preemptions already ran for this step
         if self.disk is not None:
             self.disk.apply(meta)
+        if self.remote is not None:
+            if meta.remote_epoch != self._remote_epoch:
+                self.remote.set_epoch(meta.remote_epoch)
+                self._remote_epoch = meta.remote_epoch
+            self.remote.apply(meta)
         for job in meta.stores:
             self._store_owner[job.job_id] = job.request_id
             self._stores_of.setdefault(job.request_id, set()).add(job.job_id)
             self.engine.submit_store(job)
         for job in meta.loads:
-            if job.disk_keys and self.disk is not None:
-                self.disk.read_back(job)  # copied to the GPU once its blocks are back in the CPU tier (_collect)
+            if job.disk_keys or job.remote_keys:
+                self._start_reads(job)  # copied to the GPU once its blocks are back in the CPU tier (land_reads)
             else:
                 self.engine.submit_load(job)
         self._delayed.update(meta.delayed_free)
@@ -171,16 +190,17 @@ class OffloadWorker:
     def _collect(self) -> None:
         if self.engine is None:
             return
+        self.land_reads()
         if self.disk is not None:
-            for job, failure in self.disk.ready_loads():
-                if failure is None:
-                    self.engine.submit_load(job)
-                else:
-                    self.engine.submit_failed_load(job, failure)
             done, failed = self.disk.finished_writes()
             self._disk_done.extend(done)
             self._disk_failed.extend(failed)
             self.stats.record_disk_io(*self.disk.io_deltas())
+        if self.remote is not None:
+            done, failed = self.remote.finished_writes()
+            self._remote_done.extend(done)
+            self._remote_failed.extend(failed)
+            self.stats.record_remote_io(*self.remote.io_deltas())
         for result in self.engine.poll():
             job = result.job
             self.stats.record_transfer(result.kind, job.num_blocks, result.nbytes, result.seconds, result.ok,
@@ -197,6 +217,36 @@ class OffloadWorker:
                 pending.discard(job.job_id)
                 if not pending:
                     del self._stores_of[rid]
+
+    def _start_reads(self, job: TransferJob) -> None:
+        handles: list[Any] = []
+        missing = [name for name, keys, tier in (("disk", job.disk_keys, self.disk),
+                                                 ("shared", job.remote_keys, self.remote)) if keys and tier is None]
+        if missing:  # the scheduler and this worker disagree on the tiers: fail the load, never copy a partial one
+            assert self.engine is not None
+            self.engine.submit_failed_load(job, f"this worker has no {missing[0]} tier")
+            return
+        if job.disk_keys:
+            handles += self.disk.read_back(job)
+        if job.remote_keys:
+            handles += self.remote.read_back(job)
+        self._reading.append((job, handles))
+
+    def land_reads(self) -> None:
+        """Loads whose disk or shared-tier reads have all finished go to the GPU now, or fail if any read failed
+        (missing, corrupt, I/O error): the request recomputes, no partial prefix is ever copied."""
+        assert self.engine is not None
+        still = []
+        for job, handles in self._reading:
+            if not all(h.done() for h in handles):
+                still.append((job, handles))
+                continue
+            bad = next((h for h in handles if not h.ok), None)
+            if bad is None:
+                self.engine.submit_load(job)
+            else:
+                self.engine.submit_failed_load(job, f"read-back into the CPU tier failed: {bad.error}")
+        self._reading = still
 
     def transfer_results(self) -> tuple[set[str], set[str], set[str]]:
         """(finished_sending, finished_recving, failed_recving) since the last call."""
@@ -221,11 +271,14 @@ class OffloadWorker:
         return sending or None, recving or None
 
     def worker_meta(self) -> OffloadWorkerMetadata | None:
-        if not (self._stores_done or self._stores_failed or self._disk_done or self._disk_failed):
+        if not (self._stores_done or self._stores_failed or self._disk_done or self._disk_failed
+                or self._remote_done or self._remote_failed):
             return None
         meta = OffloadWorkerMetadata(stores_done=self._stores_done, stores_failed=self._stores_failed,
-                                     disk_writes_done=self._disk_done, disk_writes_failed=self._disk_failed)
+                                     disk_writes_done=self._disk_done, disk_writes_failed=self._disk_failed,
+                                     remote_writes_done=self._remote_done, remote_writes_failed=self._remote_failed)
         self._stores_done, self._stores_failed, self._disk_done, self._disk_failed = [], [], [], []
+        self._remote_done, self._remote_failed = [], []
         return meta
 
     def take_stats(self) -> OffloadStats | None:
@@ -236,6 +289,8 @@ class OffloadWorker:
             self.engine.drain()
         if self.disk is not None:
             self.disk.close()  # waits for the writes in flight and fsyncs: a restart finds them
+        if self.remote is not None:
+            self.remote.close()
         close = getattr(self.host_tier, "close", None)
         if close is not None:
             close()

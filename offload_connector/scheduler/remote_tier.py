@@ -1,0 +1,202 @@
+"""The shared tier, scheduler side: which blocks the engines sharing a store can read back, and what to write there.
+
+Every worker writes its own shard of a block (its TP rank's heads, its PP stage's layers) under its own fingerprint
+(`worker/remote_io.py`). A block is readable only once every worker of the engine that wrote it has written its
+shard: the scheduler then puts one small *marker* per block, under a fingerprint every engine with the same model
+and parallel layout computes alike, and lookups (of any engine) check markers only. A write that failed on one
+worker never gets a marker, so no engine reads a block only some shards of which are there.
+
+The store evicts on its own (Redis `maxmemory-policy`, Mooncake's eviction): a marker may outlive a shard. Such a
+read fails; the load fails like any failed load (vLLM recomputes) and the scheduler removes the marker.
+
+Lookups query the store (one batched `exists`) for the blocks no local tier holds, at most once every
+`PRESENT_TTL_STEPS` steps per request; a marker seen present may be gone by the time the load reads it, which is
+the failure above, never wrong bytes (every value is framed and checked).
+"""
+
+from __future__ import annotations
+
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Any, Hashable, Iterable, Sequence
+
+from offload_connector.log import get_logger
+from offload_connector.metadata import TierWrite
+from offload_connector.scheduler.tier_index import TierIndex
+
+logger = get_logger(__name__)
+
+Key = tuple[int, Hashable]
+PRESENT_TTL_STEPS = 50
+# Blocks this engine knows it wrote (not written again while remembered); a bound on the scheduler's memory.
+KNOWN_WRITTEN = 1 << 20
+
+
+@dataclass
+class RemoteCounters:
+    writes_issued: int = 0  # blocks handed to the workers to write
+    writes_landed: int = 0  # blocks every worker wrote (marker put)
+    write_failures: int = 0  # blocks some worker failed to write (no marker)
+    write_skips: int = 0  # blocks not written: too many writes in flight
+    lookups: int = 0  # batched existence queries
+    fetched_blocks: int = 0  # blocks read back into the CPU tier for loads that landed
+    fetch_failures: int = 0  # loads whose shared-tier reads failed (their markers are removed)
+
+
+@dataclass
+class _Writing:
+    keys: tuple[Key, ...]
+    host_slots: tuple[int, ...]
+    reports: int = 0
+    retired: bool = False
+
+
+@dataclass
+class Fetch:
+    """What a load reads from the shared tier (also CPU-tier entries being filled)."""
+    keys: list[Key] = field(default_factory=list)
+
+
+class RemoteTierPlanner:
+    def __init__(self, markers: Any, tier: TierIndex, reporters: int, max_writing: int) -> None:
+        self.markers = markers  # a RemoteStore under the engine-independent marker fingerprint
+        self.tier = tier
+        self.reporters = reporters
+        self.max_writing = max(1, max_writing)
+        self.counters = RemoteCounters()
+        self._writing: dict[int, _Writing] = {}
+        self._writing_blocks = 0
+        self._pending_writes: list[TierWrite] = []
+        self._release_after_clear: list[tuple[int, ...]] = []
+        self._written: OrderedDict[Key, None] = OrderedDict()
+        self._present: dict[str, tuple[int, frozenset]] = {}  # request -> (step, keys seen present)
+
+    # ----------------------------------------------------------------- lookup
+    def present(self, request_id: str, keys: Iterable[Key], step: int) -> frozenset:
+        """The keys among `keys` whose every shard is in the store, cached per request for PRESENT_TTL_STEPS."""
+        cached = self._present.get(request_id)
+        if cached is not None and step - cached[0] < PRESENT_TTL_STEPS:
+            return cached[1]
+        ask = [k for k in keys if not self.tier.has(k)]
+        found: frozenset = frozenset()
+        if ask:
+            self.counters.lookups += 1
+            found = frozenset(k for k, ok in zip(ask, self.markers.exists(ask)) if ok)
+        self._present[request_id] = (step, found)
+        return found
+
+    def forget(self, request_id: str) -> None:
+        self._present.pop(request_id, None)
+
+    def fetch_finished(self, fetch: Fetch, ok: bool, retired: bool = False) -> None:
+        if retired:
+            return
+        if ok:
+            self.counters.fetched_blocks += len(fetch.keys)
+            return
+        # Some shard was gone or bad on some worker: no engine should try these markers again.
+        self.counters.fetch_failures += 1
+        self.markers.remove(fetch.keys)
+        for key in fetch.keys:
+            self._written.pop(key, None)
+
+    # ----------------------------------------------------------------- writes
+    def stored(self, keys: Sequence[Key], job_id: int) -> None:
+        """`keys` just became readable CPU-tier entries: write the ones this engine has not written."""
+        chosen: list[Key] = []
+        for key in keys:
+            if key in self._written:
+                self._written.move_to_end(key)
+                continue
+            if self._writing_blocks + len(chosen) >= self.max_writing:
+                self.counters.write_skips += 1
+                continue
+            chosen.append(key)
+        if not chosen:
+            return
+        slots = tuple(self.tier.pin(chosen, served=False))
+        self._writing[job_id] = _Writing(tuple(chosen), slots)
+        self._writing_blocks += len(chosen)
+        self._pending_writes.append(TierWrite(job_id, tuple(chosen), slots))
+        self.counters.writes_issued += len(chosen)
+
+    def write_finished(self, job_id: int, ok: bool) -> None:
+        """One worker reported shared-tier write `job_id`: once every worker wrote its shard, the markers go in."""
+        w = self._writing.get(job_id)
+        if w is None:
+            return
+        if ok and w.reports + 1 < self.reporters:
+            w.reports += 1
+            return
+        del self._writing[job_id]
+        self._writing_blocks -= len(w.keys)
+        if w.retired:
+            self.tier.release_retired(w.host_slots)
+            return
+        self.tier.unpin(list(w.keys))
+        if not ok:
+            self.counters.write_failures += len(w.keys)
+            return
+        landed = self.markers.put(list(w.keys), [b"\x01"] * len(w.keys))
+        for key, good in zip(w.keys, landed):
+            if good:
+                self._written[key] = None
+        while len(self._written) > KNOWN_WRITTEN:
+            self._written.popitem(last=False)
+        self.counters.writes_landed += sum(landed)
+        self.counters.write_failures += len(landed) - sum(landed)
+
+    # ------------------------------------------------------------------ reset
+    def clear(self) -> None:
+        """A cache reset: this engine stops serving from the shared tier what it saw before (the pool itself is
+        shared with other engines and is not emptied). Call before `TierIndex.clear()`; see `after_tier_clear`."""
+        for write in self._pending_writes:
+            w = self._writing.pop(write.job_id)
+            self._writing_blocks -= len(w.keys)
+            self._release_after_clear.append(w.host_slots)
+        for w in self._writing.values():
+            w.retired = True
+        self._pending_writes.clear()
+        self._written.clear()
+        self._present.clear()
+
+    def set_epoch(self, epoch: int) -> None:
+        self.markers.set_epoch(epoch)
+
+    def after_tier_clear(self) -> None:
+        for slots in self._release_after_clear:
+            self.tier.release_retired(slots)
+        self._release_after_clear.clear()
+
+    # ------------------------------------------------------------------- step
+    def take_step(self) -> tuple[TierWrite, ...]:
+        out, self._pending_writes = tuple(self._pending_writes), []
+        return out
+
+    def busy(self) -> bool:
+        return bool(self._writing or self._pending_writes)
+
+
+def open_marker_store(config: Any, vllm_config: Any, kv_cache_config: Any, groups: Sequence[Any]) -> Any:
+    """The scheduler's client of the shared store, under the marker fingerprint: what every engine with the same
+    model, KV cache groups and parallel layout computes alike (the workers' shard fingerprints hold their ranks)."""
+    import hashlib
+
+    from offload_connector.config import ConfigError
+    from offload_connector.remote import RemoteConfigError, RemoteFingerprint, RemoteUnavailable, make_remote_store
+    mc = getattr(vllm_config, "model_config", None)
+    cc = getattr(vllm_config, "cache_config", None)
+    pc = getattr(vllm_config, "parallel_config", None)
+    layers = hashlib.sha256(repr([list(g.layer_names) for g in kv_cache_config.kv_cache_groups]).encode())
+    fp = RemoteFingerprint(
+        model=str(getattr(mc, "model", "") or ""), layout="oc-markers",
+        dtype=f"{getattr(cc, 'cache_dtype', 'auto')}/{getattr(mc, 'dtype', '')}",
+        group_block_bytes=tuple(1 for _ in groups), block_sizes=tuple(g.block_size for g in groups),
+        tp_size=int(getattr(pc, "tensor_parallel_size", 1) or 1), pp_size=int(getattr(pc, "pipeline_parallel_size", 1)
+                                                                          or 1),
+        extra="; ".join(f"{g.kind.value} {g.sliding_window or g.chunk_size or ''}" for g in groups)
+        + f"; layers {layers.hexdigest()[:16]}")
+    try:
+        return make_remote_store(config.remote_store, fingerprint=fp, **dict(config.remote_options))
+    except (RemoteConfigError, RemoteUnavailable) as exc:
+        raise ConfigError(f"kv_connector_extra_config: 'remote_options': {exc}") from None

@@ -1,0 +1,106 @@
+"""The shared tier on one worker: its client of the shared store and the scheduler's instructions for it.
+
+Each worker writes and reads its own shard of every block, under a fingerprint of its own (its TP rank, its PP
+stage's layers), from and into CPU-tier slots the scheduler keeps pinned (writes) or reserved (reads). The client's
+calls are blocking network round trips, so they run on one background thread, off the step; a load that needs
+shared-tier blocks is copied to the GPU only once they have all arrived and verified (`OffloadWorker`).
+"""
+
+from __future__ import annotations
+
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any, Sequence
+
+from offload_connector.log import get_logger
+from offload_connector.metadata import OffloadMetadata, TierWrite, TransferJob
+
+logger = get_logger(__name__)
+
+
+class FetchIO:
+    """Completion handle of one load's shared-tier reads (`done()`, then `ok` and `error`)."""
+
+    def __init__(self, future: Future) -> None:
+        self._future = future
+
+    def done(self) -> bool:
+        return self._future.done()
+
+    @property
+    def ok(self) -> bool:
+        return self._future.result()[0]
+
+    @property
+    def error(self) -> str | None:
+        return self._future.result()[1]
+
+
+class WorkerRemoteTier:
+    def __init__(self, store: Any, host: Any, group_bytes: Sequence[int]) -> None:
+        self.store = store  # an offload_connector.remote.RemoteStore under this worker's own fingerprint
+        self._host = host  # the CPU tier: a (num_slots, slot_bytes) uint8 CPU tensor
+        self._group_bytes = list(group_bytes)
+        self._pool = ThreadPoolExecutor(1, thread_name_prefix="oc-remote")
+        self._writes: dict[int, Future] = {}
+        self._seen = (0, 0, 0)
+
+    @classmethod
+    def open(cls, kind: str, options: dict[str, Any], disk_fingerprint: Any, rank: Any, host: Any,
+             group_bytes: Sequence[int]) -> "WorkerRemoteTier":
+        """This worker's client, under a fingerprint of its own shard (model, its blocks' bytes and layers, its TP
+        and PP position)."""
+        from offload_connector.remote import RemoteFingerprint, make_remote_store
+        fp = RemoteFingerprint.from_disk(disk_fingerprint, layout="oc-slot", tp_rank=rank.tp, tp_size=rank.tp_size,
+                                         pp_rank=rank.pp, pp_size=rank.pp_size)
+        store = make_remote_store(kind, fingerprint=fp, **options)
+        logger.info("offload_connector worker side: shared tier %s (tp %d/%d, pp %d/%d)", kind, rank.tp, rank.tp_size,
+                    rank.pp, rank.pp_size)
+        return cls(store, host, group_bytes)
+
+    def _buffers(self, keys: Sequence[Any], slots: Sequence[int]) -> list[Any]:
+        return [self._host[slot, : self._group_bytes[int(key[0])]].numpy() for key, slot in zip(keys, slots)]
+
+    def apply(self, meta: OffloadMetadata) -> None:
+        for write in meta.remote_writes:
+            self._writes[write.job_id] = self._pool.submit(self._put, write)
+
+    def _put(self, write: TierWrite) -> bool:
+        return all(self.store.put(list(write.keys), self._buffers(write.keys, write.host_slots)))
+
+    def read_back(self, job: TransferJob) -> list[FetchIO]:
+        return [FetchIO(self._pool.submit(self._get, job))]
+
+    def _get(self, job: TransferJob) -> tuple[bool, str | None]:
+        got = self.store.get(list(job.remote_keys), self._buffers(job.remote_keys, job.remote_slots))
+        missing = [k for k, ok in zip(job.remote_keys, got) if not ok]
+        if missing:
+            return False, f"shared tier: {len(missing)} of {len(got)} blocks missing or rejected (first {missing[0]!r})"
+        return True, None
+
+    def finished_writes(self) -> tuple[list[int], list[int]]:
+        done, failed = [], []
+        for job_id, future in list(self._writes.items()):
+            if future.done():
+                del self._writes[job_id]
+                try:
+                    ok = future.result()
+                except Exception as exc:  # noqa: BLE001 - a shared cache tier must not take the worker down
+                    logger.warning("offload_connector: shared-tier write %d failed: %s", job_id, exc)
+                    ok = False
+                (done if ok else failed).append(job_id)
+        return done, failed
+
+    def io_deltas(self) -> tuple[int, int, int]:
+        """(bytes written, bytes read, failed operations) since the last call."""
+        s = self.store.stats()
+        now = (s.put_bytes, s.get_bytes, s.put_failures + s.errors + sum(s.rejected.values()))
+        delta = tuple(max(0, a - b) for a, b in zip(now, self._seen))
+        self._seen = now
+        return delta  # type: ignore[return-value]
+
+    def set_epoch(self, epoch: int) -> None:
+        self.store.set_epoch(epoch)
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True)
+        self.store.close()

