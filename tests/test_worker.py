@@ -378,7 +378,7 @@ def test_disk_tier_write_through_and_read_back_into_gpu_blocks(tmp_path):
     """The worker's side of the disk tier: a stored block is written to disk when the scheduler says so; later a load
     reads it back into another CPU-tier slot first and only then copies it to the GPU."""
     import time as _time
-    from offload_connector.metadata import DiskWrite
+    from offload_connector.metadata import TierWrite
     from offload_connector.metrics import DISK_READ_BYTES, DISK_WRITTEN_BYTES
     config, caches, regions = aliased_gemma_like()
     worker = make_worker(config, caches, 16 * 2 * PAGE, disk_path=str(tmp_path), disk_bytes="4Mi")
@@ -387,7 +387,7 @@ def test_disk_tier_write_through_and_read_back_into_gpu_blocks(tmp_path):
     worker.start(OffloadMetadata(step=1, stores=(job(1, "a", [(0, 5, 3), (2, 7, 9)]),)))
     worker.transfer_results()
     assert worker.worker_meta().stores_done == [1]
-    worker.start(OffloadMetadata(step=2, disk_writes=(DiskWrite(1, keys, (3, 9)),)))
+    worker.start(OffloadMetadata(step=2, disk_writes=(TierWrite(1, keys, (3, 9)),)))
     deadline = _time.monotonic() + 10
     done: list[int] = []
     while not done and _time.monotonic() < deadline:
