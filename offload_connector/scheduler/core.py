@@ -148,6 +148,8 @@ class OffloadScheduler:
             return False, None
         state.finished = True
         self.fair.clear(rid)
+        if self.remote is not None:
+            self.remote.forget(rid)
         # Aborted while its load was in flight: the copy still targets the request's blocks, which vLLM itself
         # keeps until the load reports in finished_recving (finish_requests, WAITING_FOR_REMOTE_KVS) and then
         # frees. The tier entries stay pinned until the worker reports the job (see update_connector_output).

@@ -69,12 +69,14 @@ class RemoteTierPlanner:
         self._pending_writes: list[TierWrite] = []
         self._release_after_clear: list[tuple[int, ...]] = []
         self._written: OrderedDict[Key, None] = OrderedDict()
-        self._present: dict[str, tuple[int, frozenset]] = {}  # request -> (step, keys seen present)
+        self._present: dict[str, dict[str, tuple[int, frozenset]]] = {}  # request -> part -> (step, keys present)
 
     # ----------------------------------------------------------------- lookup
-    def present(self, request_id: str, keys: Iterable[Key], step: int) -> frozenset:
-        """The keys among `keys` whose every shard is in the store, cached per request for PRESENT_TTL_STEPS."""
-        cached = self._present.get(request_id)
+    def present(self, request_id: str, keys: Iterable[Key], step: int, part: str = "") -> frozenset:
+        """The keys among `keys` whose every shard is in the store, cached per request and `part` (a request's
+        several queries) for PRESENT_TTL_STEPS steps."""
+        answers = self._present.setdefault(request_id, {})
+        cached = answers.get(part)
         if cached is not None and step - cached[0] < PRESENT_TTL_STEPS:
             return cached[1]
         ask = [k for k in keys if not self.tier.has(k)]
@@ -82,10 +84,11 @@ class RemoteTierPlanner:
         if ask:
             self.counters.lookups += 1
             found = frozenset(k for k, ok in zip(ask, self.markers.exists(ask)) if ok)
-        self._present[request_id] = (step, found)
+        answers[part] = (step, found)
         return found
 
     def forget(self, request_id: str) -> None:
+        """Drop `request_id`'s cached answers (its load was issued, or it finished)."""
         self._present.pop(request_id, None)
 
     def fetch_finished(self, fetch: Fetch, ok: bool, retired: bool = False) -> None:
