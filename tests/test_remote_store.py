@@ -10,14 +10,10 @@ passed as OC_MOONCAKE_LIB_PATH=DIR (also put on LD_LIBRARY_PATH for mooncake_mas
 """
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
-import shutil
-import socket
 import subprocess
 import sys
-import time
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 
@@ -27,6 +23,7 @@ from offload_connector.remote import (
     REMOTE_STORES, RemoteConfigError, RemoteFingerprint, RemoteKey, RemoteStore, make_remote_store,
 )
 from offload_connector.remote import base
+from tests.store_servers import MooncakeServer
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BLOCK = 16 << 10
@@ -38,25 +35,6 @@ def block(i: int, n: int = BLOCK) -> bytes:
     """Deterministic, distinct contents for block i."""
     seed = (i * 2654435761 + 12345) & 0xFFFFFFFF
     return (seed.to_bytes(4, "little") + bytes([(i * 7 + j) & 0xFF for j in range(252)])) * (n // 256) + bytes(n % 256)
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_port(port: int, proc: subprocess.Popen, timeout: float, log: str) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"mooncake_master exited with {proc.returncode}: {open(log).read()[-2000:]}")
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
-                return
-        except OSError:
-            time.sleep(0.1)
-    raise RuntimeError(f"mooncake_master did not listen on {port} within {timeout}s: {open(log).read()[-2000:]}")
 
 
 # -- the servers ------------------------------------------------------------------------------------------------------
@@ -98,37 +76,9 @@ class MooncakeBackend(Backend):
     kind = "mooncake"
 
     def __init__(self, tmp):
-        if importlib.util.find_spec("mooncake") is None:
-            pytest.skip("mooncake-transfer-engine is not installed")
-        from offload_connector.remote.mooncake_store import LIB_PATH_ENV, import_client
-        lib_path = os.environ.get(LIB_PATH_ENV, "")
-        import_client(lib_path)  # RemoteUnavailable (a failure, not a skip) if installed but not loadable
-        master_bin = os.path.join(os.path.dirname(importlib.util.find_spec("mooncake").origin), "mooncake_master")
-        port = free_port()
-        env = dict(os.environ)
-        if lib_path:
-            env["LD_LIBRARY_PATH"] = lib_path + (os.pathsep + env["LD_LIBRARY_PATH"] if env.get("LD_LIBRARY_PATH")
-                                                 else "")
-        self.log = str(tmp / "mooncake_master.log")
-        # Under `timeout` (which passes our SIGTERM on), so a killed test run leaves no master behind for long.
-        guard = ["timeout", "600"] if shutil.which("timeout") else []
-        with open(self.log, "w") as log:
-            self.master = subprocess.Popen(
-                [*guard, master_bin, f"--rpc_port={port}", "--rpc_address=127.0.0.1", f"--metrics_port={free_port()}",
-                 "--default_kv_lease_ttl=100"],
-                stdout=log, stderr=subprocess.STDOUT, env=env)
-        try:
-            wait_port(port, self.master, 15, self.log)
-            self.opts = {"master_server_address": f"127.0.0.1:{port}", "local_hostname": "127.0.0.1",
-                         "global_segment_size": 0, "local_buffer_size": 32 << 20}
-            # The pool's memory: this process's client holds 256 MiB; other processes only read and write.
-            self.holder = make_remote_store("mooncake", fingerprint=FP, **{**self.opts,
-                                                                            "global_segment_size": 256 << 20})
-        except BaseException:
-            self.master.kill()
-            self.master.wait(10)
-            raise
-        self.client = self.holder.client
+        self.server = MooncakeServer(tmp, FP)
+        self.opts = self.server.opts
+        self.client = self.server.holder.client
 
     def raw_get(self, name):
         v = self.client.get(name)
@@ -138,15 +88,7 @@ class MooncakeBackend(Backend):
         assert self.client.upsert(name, value) == 0
 
     def close(self):
-        try:
-            self.holder.close()
-        finally:
-            self.master.terminate()
-            try:
-                self.master.wait(10)
-            except subprocess.TimeoutExpired:
-                self.master.kill()
-                self.master.wait(10)
+        self.server.close()
 
 
 @pytest.fixture(scope="module", params=["redis", "mooncake"])

@@ -65,13 +65,26 @@ class WorkerRemoteTier:
             self._writes[write.job_id] = self._pool.submit(self._put, write)
 
     def _put(self, write: TierWrite) -> bool:
-        return all(self.store.put(list(write.keys), self._buffers(write.keys, write.host_slots)))
+        keys, bufs = list(write.keys), self._buffers(write.keys, write.host_slots)
+        ok = self.store.put(keys, bufs)
+        retry = [i for i, good in enumerate(ok) if not good]
+        if retry:  # once: a store under load times out now and then (seen with Mooncake on 2 busy cores)
+            again = self.store.put([keys[i] for i in retry], [bufs[i] for i in retry])
+            for i, good in zip(retry, again):
+                ok[i] = good
+        return all(ok)
 
     def read_back(self, job: TransferJob) -> list[FetchIO]:
         return [FetchIO(self._pool.submit(self._get, job))]
 
     def _get(self, job: TransferJob) -> tuple[bool, str | None]:
-        got = self.store.get(list(job.remote_keys), self._buffers(job.remote_keys, job.remote_slots))
+        keys, bufs = list(job.remote_keys), self._buffers(job.remote_keys, job.remote_slots)
+        got = self.store.get(keys, bufs)
+        retry = [i for i, ok in enumerate(got) if not ok]
+        if retry:  # once, as for puts; a block really gone (evicted) misses again and fails the load
+            again = self.store.get([keys[i] for i in retry], [bufs[i] for i in retry])
+            for i, ok in zip(retry, again):
+                got[i] = ok
         missing = [k for k, ok in zip(job.remote_keys, got) if not ok]
         if missing:
             return False, f"shared tier: {len(missing)} of {len(got)} blocks missing or rejected (first {missing[0]!r})"
