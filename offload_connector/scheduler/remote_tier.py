@@ -30,6 +30,7 @@ Key = tuple[int, Hashable]
 PRESENT_TTL_STEPS = 50
 # Blocks this engine knows it wrote (not written again while remembered); a bound on the scheduler's memory.
 KNOWN_WRITTEN = 1 << 20
+MARKER_TIMEOUT_S = 2.0
 
 
 @dataclass
@@ -200,6 +201,10 @@ def open_marker_store(config: Any, vllm_config: Any, kv_cache_config: Any, group
         extra="; ".join(f"{g.kind.value} {g.sliding_window or g.chunk_size or ''}" for g in groups)
         + f"; layers {layers.hexdigest()[:16]}")
     try:
-        return make_remote_store(config.remote_store, fingerprint=fp, **dict(config.remote_options))
+        options = dict(config.remote_options)
+        if config.remote_store == "redis" and "socket_timeout_s" not in options:
+            # The scheduler's marker calls run inside the engine step: a hung server costs at most this per call.
+            options["socket_timeout_s"] = MARKER_TIMEOUT_S
+        return make_remote_store(config.remote_store, fingerprint=fp, **options)
     except (RemoteConfigError, RemoteUnavailable) as exc:
         raise ConfigError(f"kv_connector_extra_config: 'remote_options': {exc}") from None

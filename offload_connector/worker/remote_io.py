@@ -16,6 +16,16 @@ from offload_connector.metadata import OffloadMetadata, TierWrite, TransferJob
 
 logger = get_logger(__name__)
 
+# A Redis call that gets no answer in this long fails (its blocks miss; a load waiting for them fails and recomputes),
+# so a hung server never holds a request forever. Set "socket_timeout_s" in remote_options to change it.
+FETCH_TIMEOUT_S = 10.0
+
+
+def with_default_timeout(kind: str, options: dict[str, Any], seconds: float) -> dict[str, Any]:
+    if kind == "redis" and "socket_timeout_s" not in options and "client" not in options:
+        return {**options, "socket_timeout_s": seconds}
+    return options
+
 
 class FetchIO:
     """Completion handle of one load's shared-tier reads (`done()`, then `ok` and `error`)."""
@@ -52,7 +62,7 @@ class WorkerRemoteTier:
         from offload_connector.remote import RemoteFingerprint, make_remote_store
         fp = RemoteFingerprint.from_disk(disk_fingerprint, layout="oc-slot", tp_rank=rank.tp, tp_size=rank.tp_size,
                                          pp_rank=rank.pp, pp_size=rank.pp_size)
-        store = make_remote_store(kind, fingerprint=fp, **options)
+        store = make_remote_store(kind, fingerprint=fp, **with_default_timeout(kind, options, FETCH_TIMEOUT_S))
         logger.info("offload_connector worker side: shared tier %s (tp %d/%d, pp %d/%d)", kind, rank.tp, rank.tp_size,
                     rank.pp, rank.pp_size)
         return cls(store, host, group_bytes)

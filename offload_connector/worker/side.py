@@ -105,21 +105,8 @@ class OffloadWorker:
         device = views[0].device
         self.host_tier = self._host_tier_factory(num_slots, layout.slot_bytes, device.type == "cuda")
         self.num_slots = num_slots
-        if self.config.disk_path is not None:
-            from offload_connector.worker.disk_io import WorkerDiskTier, current_rank, fingerprint_for
-            rank = current_rank(self._vllm_config)
-            fingerprint = fingerprint_for(self._vllm_config, self.kv_cache_config, layout.group_bytes,
-                                          layout.slot_bytes, rank)
-            self.disk = WorkerDiskTier.open(self.config.disk_path, self.config.disk_bytes, tier_slot_bytes,
-                                            self.host_tier.tensor, layout.group_bytes, fingerprint, rank)
-        if self.config.remote_store is not None:
-            from offload_connector.worker.disk_io import current_rank, fingerprint_for
-            from offload_connector.worker.remote_io import WorkerRemoteTier
-            rank = current_rank(self._vllm_config)
-            fingerprint = fingerprint_for(self._vllm_config, self.kv_cache_config, layout.group_bytes,
-                                          layout.slot_bytes, rank)
-            self.remote = WorkerRemoteTier.open(self.config.remote_store, dict(self.config.remote_options),
-                                                fingerprint, rank, self.host_tier.tensor, layout.group_bytes)
+        if self.config.disk_path is not None or self.config.remote_store is not None:
+            self._open_second_tiers(layout, tier_slot_bytes)
         hosts = host_views(self.host_tier.tensor, layout)
         copier = (self._copier_factory or make_copier)(self.config.transfer_backend, views, hosts, layout.segments,
                                                        device=device)
@@ -146,6 +133,21 @@ class OffloadWorker:
                               for g, (seg, nbytes) in enumerate(zip(layout.segments, layout.group_bytes))),
                     len(layout.pages), self.backend, self.config.transfer_backend,
                     f"{self.config.load_timeout_s:g} s" if self.config.load_timeout_s else "off")
+
+    def _open_second_tiers(self, layout: KVLayout, tier_slot_bytes: int) -> None:
+        """The disk and shared tiers of this worker, keyed by a fingerprint of its own shard (model, its blocks'
+        bytes and layers, KV dtype, its TP/PP position)."""
+        from offload_connector.worker.disk_io import WorkerDiskTier, current_rank, fingerprint_for
+        rank = current_rank(self._vllm_config)
+        fingerprint = fingerprint_for(self._vllm_config, self.kv_cache_config, layout.group_bytes, layout.slot_bytes,
+                                      rank)
+        if self.config.disk_path is not None:
+            self.disk = WorkerDiskTier.open(self.config.disk_path, self.config.disk_bytes, tier_slot_bytes,
+                                            self.host_tier.tensor, layout.group_bytes, fingerprint, rank)
+        if self.config.remote_store is not None:
+            from offload_connector.worker.remote_io import WorkerRemoteTier
+            self.remote = WorkerRemoteTier.open(self.config.remote_store, dict(self.config.remote_options),
+                                                fingerprint, rank, self.host_tier.tensor, layout.group_bytes)
 
     # -------------------------------------------------------------- per step
     def fence(self, meta: OffloadMetadata) -> None:
