@@ -70,6 +70,10 @@ class OffloadConfig:
     debug_corrupt_load: bool = False
     # Fault injection for tests: report every load as failed without copying.
     debug_fail_load: bool = False
+    # Fault injection for tests, on some workers only: the worker ranks (pp_rank x tensor_parallel_size + tp_rank)
+    # that report every load / every store as failed without copying; the other ranks copy normally.
+    debug_fail_load_ranks: tuple[int, ...] = ()
+    debug_fail_store_ranks: tuple[int, ...] = ()
     # Test aid: report each landed load this many steps late, so that a CPU engine (whose copies finish within the
     # step) has loads in flight across steps, as a GPU engine does.
     debug_load_delay_steps: int = 0
@@ -143,6 +147,9 @@ class OffloadConfig:
                 _positive_int("debug_load_delay_steps", value)
         if "debug_fail_load" in extra:
             values["debug_fail_load"] = _bool("debug_fail_load", extra.pop("debug_fail_load"))
+        for key in ("debug_fail_load_ranks", "debug_fail_store_ranks"):
+            if key in extra:
+                values[key] = _ranks(key, extra.pop(key))
         if "debug_corrupt_load" in extra:
             values["debug_corrupt_load"] = _bool("debug_corrupt_load", extra.pop("debug_corrupt_load"))
         if "verify_loads" in extra:
@@ -408,6 +415,14 @@ def _bool(key: str, value: Any) -> bool:
     return value
 
 
+def _ranks(key: str, value: Any) -> tuple[int, ...]:
+    if not isinstance(value, (list, tuple)) or not all(isinstance(r, int) and not isinstance(r, bool) and r >= 0
+                                                       for r in value):
+        raise ConfigError(f"kv_connector_extra_config: '{key}' must be a list of worker ranks (integers >= 0, "
+                          f"pp_rank x tensor_parallel_size + tp_rank; e.g. [1]); got {value!r}")
+    return tuple(sorted(set(value)))
+
+
 def _choice(key: str, value: Any, accepted: tuple[str, ...]) -> str:
     if value not in accepted:
         raise ConfigError(
@@ -417,12 +432,20 @@ def _choice(key: str, value: Any, accepted: tuple[str, ...]) -> str:
 
 # ------------------------------------------------------------------------------------------- start-up
 def check_at_startup(vllm_config: Any) -> OffloadConfig:
-    """The whole start-up check on a VllmConfig: the keys, then the host memory every local host tier needs.
+    """The whole start-up check on a VllmConfig: the keys (debug rank lists within the engine's worker ranks), then
+    the host memory every local host tier needs.
 
     On vLLM's CPU backend the KV cache is host memory too and is not allocated yet when this runs: its size
     (`--kv-cache-memory-bytes`, which VLLM_CPU_KVCACHE_SPACE sets) is counted per worker as well.
     """
     cfg = OffloadConfig.from_extra_config(vllm_config.kv_transfer_config.kv_connector_extra_config)
+    pc = getattr(vllm_config, "parallel_config", None)
+    ranks = int(getattr(pc, "tensor_parallel_size", 1)) * int(getattr(pc, "pipeline_parallel_size", 1))
+    for key in ("debug_fail_load_ranks", "debug_fail_store_ranks"):
+        if any(r >= ranks for r in getattr(cfg, key)):
+            raise ConfigError(f"kv_connector_extra_config: '{key}' must name worker ranks 0..{ranks - 1} "
+                              f"(tensor_parallel_size x pipeline_parallel_size = {ranks}); "
+                              f"got {list(getattr(cfg, key))}")
     if not _HOST_CHECK.get():
         return cfg
     workers = local_worker_count(vllm_config)

@@ -21,7 +21,9 @@ Script (all keys but "model" and "actions" optional):
          "max_steps": 2000, "stall_steps": 40},
         {"op": "reset_prefix_cache"},            # waits (bounded) for stores in flight, then resets the GPU cache
         {"op": "drain"},                         # steps (bounded) until the connector has nothing in flight
-        {"op": "corrupt_loads", "count": 1}]}    # arm fault injection for the next `count` finished loads
+        {"op": "corrupt_loads", "count": 1},     # arm fault injection for the next `count` finished loads
+        {"op": "state"},                         # the connector's state now: scheduler side and every worker
+        {"op": "clear_worker_faults", "loads": true, "stores": false}]}  # end debug_fail_*_ranks faults from now on
 
 Result: {"layout": [...], "num_blocks": N, "actions": [per-action results]}; a generate result holds, per request,
 `token_ids`, `num_cached_tokens` (what vLLM reports in RequestOutput: local + external prefix hits, counted when the
@@ -277,7 +279,7 @@ def _child(script_path: str, out_path: str) -> None:
         vals: dict[str, float] = {}
         for m in llm.get_metrics():
             if "prefix_cache" in m.name or "offload" in m.name or "kv_connector" in m.name \
-                    or m.name.startswith("vllm:prompt_tokens"):
+                    or m.name.startswith("vllm:prompt_tokens") or m.name == "vllm:num_preemptions":
                 v = getattr(m, "value", None)
                 if isinstance(v, (int, float)):
                     vals[m.name] = vals.get(m.name, 0.0) + float(v)
@@ -358,6 +360,12 @@ def _child(script_path: str, out_path: str) -> None:
                 time.sleep(0.01)
             result["actions"].append({"op": op, "steps": tries,
                                       "pending": bool(side is not None and side.has_pending_work())})
+        elif op == "state":
+            result["actions"].append({"op": op, "scheduler": _scheduler_state(sched, sconn),
+                                      "workers": llm.collective_rpc(_worker_state)})
+        elif op == "clear_worker_faults":
+            result["actions"].append({"op": op, "workers": llm.collective_rpc(
+                _clear_worker_faults, args=(bool(act.get("loads")), bool(act.get("stores"))))})
         elif op == "corrupt_loads":
             assert injector is not None, "corrupt_loads needs a connector"
             injector.armed += int(act.get("count", 1))
@@ -406,6 +414,54 @@ def _stall_state(sched: Any, sconn: Any = None) -> dict[str, Any]:
                                         "num_prompt_tokens": r.num_prompt_tokens}
                          for r in list(sched.requests.values())},
             "ledger": _snapshot(sconn)}
+
+
+def _scheduler_state(sched: Any, sconn: Any) -> dict[str, Any]:
+    """What the scheduler-side connector holds now: copies it waits for, tier entries and pins, and its own
+    invariant check; plus vLLM's free block count."""
+    out: dict[str, Any] = {"free_blocks": sched.kv_cache_manager.block_pool.get_num_free_blocks(),
+                           "vllm_requests": len(sched.requests)}
+    side = getattr(sconn, "scheduler_side", None)
+    if side is None:
+        return out
+    jobs, tier = side.jobs, side.tier.stats()
+    out.update(loads=len(jobs.loads), orphan_loads=len(jobs.orphan_loads), store_jobs=len(jobs.store_jobs),
+               awaiting_free=len(jobs.awaiting_free), busy=jobs.busy(), requests=len(side._requests),
+               tier_entries=tier.used_slots, ready_entries=tier.ready_entries, pinned_entries=tier.pinned_entries,
+               retired_slots=tier.retired_slots, load_failures=side.counters.load_failures)
+    try:
+        side.check()
+        out["check"] = "ok"
+    except AssertionError as err:
+        out["check"] = f"failed: {err!r}"
+    return out
+
+
+def _worker_state(worker: Any) -> dict[str, Any] | None:
+    """Runs in each worker process (LLM.collective_rpc): its worker-side connector's copies and held requests."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+    if not has_kv_transfer_group():
+        return None
+    side = getattr(get_kv_transfer_group(), "worker_side", None)
+    if side is None or side.engine is None:
+        return None
+    from offload_connector.worker.side import worker_rank
+    return {"rank": worker_rank(), "fail_loads": side._fail_loads, "fail_stores": side._fail_stores,
+            "pending": side.engine.pending(), "stores_of": len(side._stores_of), "delayed": len(side._delayed),
+            "held_loads": len(side._held_loads)}
+
+
+def _clear_worker_faults(worker: Any, loads: bool, stores: bool) -> dict[str, Any] | None:
+    """Runs in each worker process: stop the injected load and/or store failures (debug_fail_*_ranks) from now on."""
+    from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
+    if not has_kv_transfer_group():
+        return None
+    side = get_kv_transfer_group().worker_side
+    if loads:
+        side._fail_loads = side.engine._fail_loads = False
+    if stores:
+        side._fail_stores = side.engine._fail_stores = False
+    return {"fail_loads": side._fail_loads, "fail_stores": side._fail_stores}
 
 
 def _snapshot(sconn: Any) -> Any:

@@ -209,7 +209,8 @@ def _vllm_config(extra, *, tp=1, pp=1, dp_local=1, nnodes_within=1, backend="mp"
     world = tp * pp
     return NS(kv_transfer_config=NS(kv_connector_extra_config=extra),
               parallel_config=NS(world_size=world, local_world_size=world // nnodes_within,
-                                 data_parallel_size_local=dp_local, distributed_executor_backend=backend),
+                                 data_parallel_size_local=dp_local, distributed_executor_backend=backend,
+                                 tensor_parallel_size=tp, pipeline_parallel_size=pp),
               device_config=NS(device_type=device), cache_config=NS(kv_cache_memory_bytes=kv_bytes))
 
 
@@ -304,3 +305,28 @@ def test_verify_loads_and_copy_delay_defaults():
     assert cfg.verify_loads is False and cfg.debug_copy_delay_s == 0.0
     cfg = OffloadConfig.from_extra_config({"cpu_bytes": 10, "verify_loads": True, "debug_copy_delay_s": 2})
     assert cfg.verify_loads is True and cfg.debug_copy_delay_s == 2.0
+
+
+@pytest.mark.parametrize("key", ["debug_fail_load_ranks", "debug_fail_store_ranks"])
+@pytest.mark.parametrize("value", [1, "1", [True], [-1], [1.0], None, {"1": 1}])
+def test_debug_fail_ranks_are_validated(key, value):
+    with pytest.raises(ConfigError) as err:
+        OffloadConfig.from_extra_config({"cpu_bytes": 10, key: value})
+    assert str(err.value) == (f"kv_connector_extra_config: '{key}' must be a list of worker ranks (integers >= 0, "
+                              f"pp_rank x tensor_parallel_size + tp_rank; e.g. [1]); got {value!r}")
+
+
+def test_debug_fail_ranks_parse_and_must_name_ranks_the_engine_has(monkeypatch):
+    import offload_connector.config as config
+    cfg = OffloadConfig.from_extra_config({"cpu_bytes": 10})
+    assert cfg.debug_fail_load_ranks == cfg.debug_fail_store_ranks == ()
+    cfg = OffloadConfig.from_extra_config({"cpu_bytes": 10, "debug_fail_load_ranks": [3, 1, 3],
+                                           "debug_fail_store_ranks": []})
+    assert cfg.debug_fail_load_ranks == (1, 3) and cfg.debug_fail_store_ranks == ()
+    monkeypatch.setattr(config, "host_available_bytes", lambda: None)
+    extra = {"cpu_bytes": 10, "debug_fail_store_ranks": [3]}
+    assert check_at_startup(_vllm_config(extra, tp=2, pp=2)).debug_fail_store_ranks == (3,)
+    with pytest.raises(ConfigError) as err:
+        check_at_startup(_vllm_config(extra, tp=2))
+    assert str(err.value) == ("kv_connector_extra_config: 'debug_fail_store_ranks' must name worker ranks 0..1 "
+                              "(tensor_parallel_size x pipeline_parallel_size = 2); got [3]")

@@ -82,3 +82,26 @@ def test_failed_load_ahead_of_a_landed_load_does_not_stall(groups, num_blocks):
     assert {"a", "b"} <= drv.finished
     drain(drv)
     assert drv.side.counters.loads_admitted == 2  # a recomputed after its failed load; it was not offered again
+
+
+@pytest.mark.parametrize("groups", [(("full", 16, 0),), (("full", 16, 0), ("sliding", 16, 64))],
+                         ids=["full", "full+sliding"])
+def test_a_failed_load_is_stored_again_by_its_recompute(groups):
+    """A failed load drops the prefix's tier entries (nothing else pinned them); the request then recomputes the
+    prefix, and must store it again: the store progress its load admission had advanced past the prefix goes back
+    to the start. Before, the prefix stayed out of the tier (seen with TP=2, one rank failing the load: the next
+    request for it missed, tests/test_parallel_failures.py)."""
+    drv, hbs = rig(groups, 200)
+    prefix = tokens(1, PREFIX)
+    drv.add([make_request("w", prefix + tokens(2, 1), 1, hbs)])  # stores the prefix in the CPU tier
+    drain(drv)
+    assert drv.sched.reset_prefix_cache()
+    drv.add([make_request("a", prefix + tokens(3, 40), 2, hbs)])  # its load fails (rig: every load of "a")
+    drain(drv)
+    assert "a" in drv.finished and drv.side.counters.load_failures == 1
+    assert drv.sched.reset_prefix_cache()
+    before = drv.side.counters.loaded_tokens
+    drv.add([make_request("b", prefix + tokens(4, 40), 2, hbs)])
+    drain(drv)
+    assert "b" in drv.finished and drv.side.counters.load_failures == 1
+    assert drv.side.counters.loaded_tokens - before == PREFIX, "the recomputed prefix was not stored again"

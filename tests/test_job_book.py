@@ -161,3 +161,30 @@ def test_admissions_are_recorded_only_when_asked():
         assert d.side.counters.loads_admitted == 1
     assert [a.request_id for a in drv.side.admissions] == ["r"] and quiet.side.admissions is None
     assert drv.side.record_admissions() is drv.side.admissions  # asking again keeps the log
+
+
+@pytest.mark.parametrize("reports", [("done", "failed"), ("failed", "done"), ("done", "done")])
+def test_a_store_lands_only_when_every_worker_reports_it_done(reports):
+    """With two workers (TP=2, or two PP stages) each reports every store job: one failed report drops the job's
+    entries whichever worker reports first, so no tier entry is held by only some workers; a report after the job
+    is over changes nothing."""
+    from offload_connector.metadata import TransferJob
+    from offload_connector.scheduler.events import TierEvents
+    from offload_connector.scheduler.jobs import JobBook
+    from offload_connector.scheduler.tier_index import TierIndex
+
+    tier = TierIndex(8, [100])
+    book = JobBook(tier, TierEvents(False, []), reporters=2)
+    keys = [(0, "a"), (0, "b")]
+    slots = [slot for _, slot in tier.begin_store(keys)]
+    job = TransferJob(book.new_job_id(), "r", ((3, 4),), (tuple(slots),))
+    book.add_store(job, keys, None)
+    assert book.take_step()[1] == (job,)  # handed to the workers
+    first, second = (r == "done" for r in reports)
+    assert book.finish_store(job.job_id, first) == (None if first else "r")
+    assert book.finish_store(job.job_id, second) == ("r" if first else None)
+    book.check()
+    assert not book.store_jobs and not book.block_readers
+    landed = first and second
+    assert [tier.is_ready(k) if tier.has(k) else None for k in keys] == ([True, True] if landed else [None, None])
+    assert tier.used_slots() == (2 if landed else 0)

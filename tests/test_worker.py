@@ -223,6 +223,29 @@ def test_debug_fail_load_reports_failure_without_touching_the_cache():
     assert torch.equal(regions, before)
 
 
+@pytest.mark.parametrize("rank", [0, 1])
+def test_debug_fail_ranks_fail_only_the_named_worker(monkeypatch, rank):
+    """debug_fail_store_ranks / debug_fail_load_ranks: the named rank reports its stores / loads failed without
+    copying; another rank copies normally."""
+    import offload_connector.worker.side as side
+    monkeypatch.setattr(side, "worker_rank", lambda: rank)
+    config, caches, regions = aliased_gemma_like()
+    worker = make_worker(config, caches, 8 * 2 * PAGE, debug_fail_store_ranks=[1], debug_fail_load_ranks=[1])
+    assert worker.rank == rank
+    worker.start(OffloadMetadata(step=1, stores=(job(1, "a", [(0, 2, 0)]),)))
+    assert worker.transfer_results() == (set(), set(), set())
+    meta = worker.worker_meta()
+    assert (meta.stores_done, meta.stores_failed) == (([], [1]) if rank == 1 else ([1], []))
+    assert worker.host_tier.tensor[0].any() == (rank == 0)  # the failed store wrote nothing
+    before = regions.clone()
+    worker.start(OffloadMetadata(step=2, loads=(job(2, "b", [(0, 5, 0)]),)))
+    _, recving, failed = worker.transfer_results()
+    assert recving == {"b"} and failed == ({"b"} if rank == 1 else set())
+    assert torch.equal(regions[:, 5], before[:, 5] if rank == 1 else before[:, 2])
+    counters = worker.take_stats().data["counters"]
+    assert counters.get("store_failures", 0) == counters.get("load_failures", 0) == (1 if rank == 1 else 0)
+
+
 # ------------------------------------------------------------------------------------------ verify_loads
 def test_verify_loads_passes_clean_loads_on_every_layout():
     for build, cpu_bytes in ((aliased_gemma_like, 64 * 2 * PAGE), (separate_groups, 10 * 3 * 8192)):

@@ -240,6 +240,16 @@ class OffloadScheduler:
             # tier still serves the prefix when another load of it held the entries pinned). A recomputed
             # prefill is not gated that way and clears the stale entry when it is scheduled.
             state.no_load = True
+            # The admission moved store planning to the hit (window_scanned; nothing is planned while the load is in
+            # flight), past the prefix whose entries the failure just dropped: the recompute stores it again from the
+            # start, with a window at the hit as the stored one had (entries still in the tier are skipped).
+            state.junctions.add(state.window_scanned)
+            self._restart_stores(state)
+
+    def _restart_stores(self, state: ReqState) -> None:
+        state.full_stored = [0] * len(self.groups)
+        state.window_next = [0] * len(self.groups)
+        state.window_scanned = 0
 
     def _finish_store(self, job_id: int, ok: bool) -> None:
         rid = self.jobs.finish_store(job_id, ok)
@@ -295,9 +305,7 @@ class OffloadScheduler:
                 second.after_tier_clear()
         for state in self._requests.values():
             if not state.finished:
-                state.full_stored = [0] * len(self.groups)
-                state.window_next = [0] * len(self.groups)
-                state.window_scanned = 0
+                self._restart_stores(state)
         self.resets += 1
         logger.info("offload_connector: CPU tier reset: %d slots freed, %d kept until %d in-flight copies finish",
                     before - self.tier.used_slots(), self.tier.used_slots(), self.jobs.num_retired())

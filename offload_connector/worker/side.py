@@ -45,6 +45,14 @@ def allocate_checked_host_tier(num_slots: int, slot_bytes: int, pin: bool) -> An
                           f"{num_slots * slot_bytes:,}-byte host tier ({err}); lower 'cpu_bytes'") from None
 
 
+def worker_rank() -> int:
+    """This worker's rank among the engine's workers: pp_rank x tensor_parallel_size + tp_rank (vLLM's order)."""
+    from vllm.distributed.parallel_state import get_pp_group, get_tp_group
+
+    tp = get_tp_group()
+    return get_pp_group().rank_in_group * tp.world_size + tp.rank_in_group
+
+
 class OffloadWorker:
     """The worker side. `copier_factory` and `host_tier_factory` replace how the copier and the host tier are built
     (default: `kernels.make_copier` and `allocate_checked_host_tier`); the benchmarks' simulation passes a simulated
@@ -85,9 +93,17 @@ class OffloadWorker:
         self._disk_failed: list[int] = []
         self._remote_done: list[int] = []
         self._remote_failed: list[int] = []
+        # Asked of vLLM only when a debug_fail_*_ranks key needs it (a simulated worker has no process groups).
+        self.rank = worker_rank() if (config.debug_fail_load_ranks or config.debug_fail_store_ranks) else 0
+        self._fail_loads = config.debug_fail_load or self.rank in config.debug_fail_load_ranks
+        self._fail_stores = self.rank in config.debug_fail_store_ranks
         if config.debug_fail_load:
             logger.warning("offload_connector: debug_fail_load is on: every load is reported failed without copying "
                            "(fault injection for tests)")
+        for what, on in (("load", self._fail_loads and not config.debug_fail_load), ("store", self._fail_stores)):
+            if on:
+                logger.warning("offload_connector: debug_fail_%s_ranks names this worker (rank %d): every %s is "
+                               "reported failed without copying (fault injection for tests)", what, self.rank, what)
         if config.debug_corrupt_load:
             logger.warning("offload_connector: debug_corrupt_load is on: every loaded prefix is deliberately "
                            "corrupted (fault injection for tests)")
@@ -120,7 +136,8 @@ class OffloadWorker:
         self.engine = TransferEngine(copier, len(layout.group_bytes), layout.group_bytes, device,
                                      after_load_copy=self._corrupt if self.config.debug_corrupt_load else None,
                                      load_timeout_s=self.config.load_timeout_s,
-                                     fail_loads=self.config.debug_fail_load, checksums=checksums,
+                                     fail_loads=self._fail_loads, fail_stores=self._fail_stores,
+                                     checksums=checksums,
                                      copy_delay_s=self.config.debug_copy_delay_s)
         self._count_blocks = counts_blocks_here()
         logger.info("offload_connector worker side: host tier %d bytes (cpu_bytes %d) = %d slots x %d bytes (%s, "

@@ -127,7 +127,7 @@ class TransferEngine:
     def __init__(self, copier: Any, num_groups: int, group_bytes: Sequence[int], device: torch.device,
                  after_load_copy: Callable[[TransferJob], None] | None = None, load_timeout_s: float = 0.0,
                  fail_loads: bool = False, checksums: SlotChecksums | None = None,
-                 copy_delay_s: float = 0.0) -> None:
+                 copy_delay_s: float = 0.0, fail_stores: bool = False) -> None:
         self._copier = copier
         self._num_groups = num_groups
         self._group_bytes = list(group_bytes)
@@ -140,7 +140,8 @@ class TransferEngine:
         self._jobs: dict[int, _InFlight] = {}
         self._zombies: dict[int, _InFlight] = {}  # timed-out loads whose copies have not landed yet
         self._load_timeout_s = load_timeout_s
-        self._fail_loads = fail_loads
+        self._fail_loads = fail_loads  # debug_fail_load(_ranks): loads report failed without copying
+        self._fail_stores = fail_stores  # debug_fail_store_ranks: stores likewise
         self.timeouts = 0
         self._readers: dict[int, set[int]] = {}  # GPU block -> unfinished store jobs reading it
         self.load_stream: Any = None
@@ -172,6 +173,9 @@ class TransferEngine:
 
     def submit_store(self, job: TransferJob) -> None:
         started = time.perf_counter()
+        if self._fail_stores:
+            self._jobs[job.job_id] = _InFlight("store", job, None, started, 0, "injected failure")
+            return
         self._after_zombies(self.store_stream)
         if self._checksums is not None:
             self._checksums.invalidate(job.host_slots)  # the slots' old contents are being replaced
@@ -202,7 +206,7 @@ class TransferEngine:
         self.wait_for_jobs({j for bid in job.gpu_blocks for j in self._readers.get(bid, ())})
         started = time.perf_counter()
         if self._fail_loads or job.fail_reason:
-            self.submit_failed_load(job, job.fail_reason or "injected failure (debug_fail_load)")
+            self.submit_failed_load(job, job.fail_reason or "injected failure")
             return
         self._after_zombies(self.load_stream)
         if self.load_stream is not None:

@@ -389,7 +389,7 @@ def _offload_config(text: str) -> dict[str, Any]:
         raise argparse.ArgumentTypeError("must be a JSON object")
     if "cpu_bytes" in extra or "reservation" in extra:
         raise argparse.ArgumentTypeError("cpu_bytes and reservation are set by --cpu-bytes and the column")
-    for key in ("debug_corrupt_load", "debug_fail_load"):
+    for key in ("debug_corrupt_load", "debug_fail_load", "debug_fail_load_ranks", "debug_fail_store_ranks"):
         if key in extra:
             raise argparse.ArgumentTypeError(f"{key!r} is test-only fault injection and makes the replay's load "
                                              f"checks fail; use `offload-connector soak` for injected faults")
