@@ -6,6 +6,10 @@ the trace file (trace.py), output paths (the directory must exist and be writabl
 needs (tqdm for the progress bars, matplotlib for --plot). Checks that need vLLM's view of the model (the smallest
 GPU pool that holds one max_model_len request, the smallest CPU tier, the model's own max_model_len) run once before
 the replay starts, by building the engines the replay will build; the message names the minimum.
+
+With --engines 2 or more the replay puts that many engines behind a round-robin router (no session affinity) and
+compares two columns of the offload connector: private CPU tiers only, and the shared tier over one simulated store
+(replay/router.py, sim/remote.py).
 """
 
 from __future__ import annotations
@@ -82,6 +86,8 @@ TIME_SCALE = (1e-6, 1e4)  # arrivals stay within ~10^12 simulated seconds, where
 BANDWIDTH_GBPS = (0.01, 1e5)
 STEP_OVERHEAD_MS = (1e-3, 1e5)
 TOKEN_US = (1e-3, 1e6)  # --prefill-token-us, --decode-request-us
+MAX_ENGINES = 8  # --engines: engines behind the router (replay/router.py)
+SHARED_LATENCY_MS = (0.0, 1e4)  # --shared-latency-ms
 OFFLOAD_CONFIG_MAX_NUMBER = 10**9  # any number in --offload-config (steps, tokens, seconds)
 MAX_CONFIG_JSON_BYTES = 16 * 2**20  # a custom --model's config.json
 
@@ -278,6 +284,26 @@ def check_speculative(model: str, k: int) -> None:
                        f"(--model deepseek-v4-flash), not for {model}")
 
 
+def check_router(args: argparse.Namespace) -> None:
+    """The router mode's options go together: --router and --shared-* need --engines 2 or more, which runs the
+    offload connector only (with and without the shared tier) and draws no plot."""
+    if args.engines == 1:
+        for flag, value in (("--router", args.router), ("--shared-bandwidth-gbps", args.shared_bandwidth_gbps),
+                            ("--shared-latency-ms", args.shared_latency_ms)):
+            if value is not None:
+                raise ArgError(f"{flag} needs --engines 2 or more (several engines behind a router)")
+        return
+    if args.connectors is not None and [c.strip() for c in args.connectors.split(",") if c.strip()] != ["offload"]:
+        raise ArgError(f"--engines {args.engines} compares the offload connector with private CPU tiers and with the "
+                       f"shared tier; --connectors must be offload or left out (got {args.connectors!r})")
+    if args.plot is not None:
+        raise ArgError(f"--plot is not available with --engines {args.engines}; use --json")
+    for key in ("remote_store", "remote_options"):
+        if key in args.offload_config:
+            raise ArgError(f"--offload-config: {key!r} is set by the shared-tier column with --engines "
+                           f"{args.engines} (a simulated store)")
+
+
 def parse_connectors(text: str) -> tuple[str, ...]:
     names = [c.strip() for c in text.split(",") if c.strip()]
     bad = [c for c in names if c not in CONNECTORS]
@@ -413,8 +439,9 @@ def add_parser(sub: Any) -> None:
                    "deepseek-v4-flash-pp-mtp, mooncake-synthetic, agent-tool-prefix, rag-shared-docs, decode-heavy) or "
                    "a Mooncake-format "
                    "JSONL file (plain or gzip); default: the model's workload")
-    p.add_argument("--connectors", default=",".join(CONNECTORS),
-                   help=f"comma-separated, from {', '.join(CONNECTORS)} (default: all)")
+    p.add_argument("--connectors",
+                   help=f"comma-separated, from {', '.join(CONNECTORS)} (default: all; with --engines 2 or more only "
+                        f"offload)")
     p.add_argument("--gpu-blocks", type=int_in(MIN_GPU_BLOCKS, MAX_GPU_BLOCKS),
                    help=f"GPU KV pool blocks, {MIN_GPU_BLOCKS} to {MAX_GPU_BLOCKS:,} and at least one max_model_len "
                         f"request's worth (default per model: gemma 2188, deepseek 6144, gpt-oss {GPU_BLOCKS_GPT_OSS})")
@@ -455,6 +482,19 @@ def add_parser(sub: Any) -> None:
                    help='JSON object of kv_connector_extra_config keys for the offload columns, e.g. '
                         '\'{"window_checkpoint_tokens": 0, "admission_policy": "greedy"}\' (cpu_bytes comes from '
                         '--cpu-bytes)')
+    p.add_argument("--engines", type=int_in(1, MAX_ENGINES), default=1,
+                   help=f"1 to {MAX_ENGINES}: with 2 or more, that many engines behind a router, each with its own GPU "
+                        f"pool and CPU tier, in two columns: offload with private CPU tiers only, and offload with "
+                        f"the shared tier over one simulated store (replay/router.py)")
+    p.add_argument("--router", choices=["round-robin"],
+                   help="how requests are assigned to the engines (--engines 2 or more): round-robin by arrival, no "
+                        "session affinity (the default)")
+    p.add_argument("--shared-bandwidth-gbps", type=float_in(*BANDWIDTH_GBPS),
+                   help=f"shared tier GB/s per engine, puts and fetches one after another, {BANDWIDTH_GBPS[0]:g} to "
+                        f"{BANDWIDTH_GBPS[1]:g} (--engines 2 or more; default 10)")
+    p.add_argument("--shared-latency-ms", type=float_in(*SHARED_LATENCY_MS),
+                   help=f"fixed cost of one shared-tier call, {SHARED_LATENCY_MS[0]:g} to {SHARED_LATENCY_MS[1]:g} "
+                        f"(--engines 2 or more; default 0.5)")
     p.add_argument("--json", help="write the results here (the directory must exist)")
     p.add_argument("--plot", help="write a plot here, e.g. a .png (needs matplotlib; the directory must exist)")
     p.add_argument("--no-progress", action="store_true")
@@ -498,7 +538,8 @@ def run(args: argparse.Namespace) -> int:
     from offload_bench.replay.workloads import resolve_trace
 
     try:
-        connectors = parse_connectors(args.connectors)
+        check_router(args)
+        connectors = parse_connectors(args.connectors or ",".join(CONNECTORS))
         check_batch(args)
         check_outputs_differ(("--json", args.json), ("--plot", args.plot))
         check_output_path("--json", args.json)
@@ -541,13 +582,15 @@ def run(args: argparse.Namespace) -> int:
     from offload_bench.platform import use_cpu_platform
 
     use_cpu_platform()  # before vLLM is imported
+    pick = lambda given, default: default if given is None else given  # noqa: E731  (0 is not "unset")
+    if args.engines > 1:
+        return _run_router(args, workload, model, md, td, pp, spec_k, time_model)
     from offload_bench.replay.connectors import ReplayEngine
     from offload_bench.replay.pool_dump import format_dump
     from offload_bench.replay.runner import ReplayConfig, run_replay
     from offload_bench.replay.table import header, render
     from offload_bench.replay.timemodel import SimClock
 
-    pick = lambda given, default: default if given is None else given  # noqa: E731  (0 is not "unset")
     try:
         cfg = ReplayConfig(
             model=model, connectors=connectors, num_gpu_blocks=pick(args.gpu_blocks, md.num_gpu_blocks),
@@ -587,6 +630,57 @@ def run(args: argparse.Namespace) -> int:
 
             print(f"plot: {plot(out, args.plot)}")
     except OSError as err:  # checked before the run; the disk filled up or the directory went away since
+        print(f"{PROG}: error: {one_line(f'cannot write the results ({err})')}", file=sys.stderr)
+        return 1
+    return 0
+
+
+def _run_router(args: argparse.Namespace, workload: Any, model: str, md: ModelDefaults, td: TraceDefaults, pp: int,
+                spec_k: int, time_model: Any) -> int:
+    """--engines 2 or more: the router replay (replay/router.py), two columns, one table."""
+    from offload_bench.replay.pool_dump import format_dump
+    from offload_bench.replay.router import COLUMNS, RouterConfig, RouterEngine, header, render, run_router
+    from offload_bench.sim.remote import DEFAULT_SHARED_BANDWIDTH_GBPS, DEFAULT_SHARED_LATENCY_MS, SimPool
+
+    pick = lambda given, default: default if given is None else given  # noqa: E731  (0 is not "unset")
+    try:
+        cfg = RouterConfig(
+            model=model, num_gpu_blocks=pick(args.gpu_blocks, md.num_gpu_blocks),
+            cpu_bytes=pick(args.cpu_bytes, md.cpu_bytes), max_num_batched_tokens=args.max_num_batched_tokens,
+            max_model_len=pick(args.max_model_len, md.max_model_len), max_num_seqs=args.max_num_seqs,
+            seed=args.seed, stall_steps=args.stall_steps, max_steps=args.max_steps, limit=pick(args.limit, td.limit),
+            time_scale=pick(args.time_scale, td.time_scale), check_loads=not args.no_check_loads,
+            offload_extra=tuple(sorted(args.offload_config.items())), time_model=time_model,
+            pipeline_parallel_size=pp, num_speculative_tokens=spec_k, engines=args.engines,
+            router=args.router or "round-robin",
+            shared_bandwidth_gbps=pick(args.shared_bandwidth_gbps, DEFAULT_SHARED_BANDWIDTH_GBPS),
+            shared_latency_ms=pick(args.shared_latency_ms, DEFAULT_SHARED_LATENCY_MS))
+    except ValueError as err:
+        return fail(PROG, err)
+    problem = preflight([(column, lambda column=column: RouterEngine(0, cfg, SimPool() if column != COLUMNS[0]
+                                                                     else None)) for column in cfg.columns], cfg)
+    if problem is not None:
+        return fail(PROG, problem)
+    t0 = time.time()
+    try:
+        out = run_router(workload, cfg, progress=_Bars(not args.no_progress))
+    except NotImplementedError as err:
+        return fail(PROG, f"--model {model}: {err}")
+    print()
+    print(header(out))
+    print()
+    print(render([r.result for r in out.runs]))
+    for r in out.runs:
+        if r.result.stall_dump is not None:
+            print()
+            print(format_dump(r.result.connector, r.result.stall_dump))
+    print(f"\nwall time {time.time() - t0:.0f} s")
+    try:
+        if args.json:
+            with open(args.json, "w") as fh:
+                json.dump(out.to_json(), fh, indent=2, default=str)
+            print(f"results: {args.json}")
+    except OSError as err:
         print(f"{PROG}: error: {one_line(f'cannot write the results ({err})')}", file=sys.stderr)
         return 1
     return 0

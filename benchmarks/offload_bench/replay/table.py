@@ -62,12 +62,16 @@ ROWS: list[tuple[str, Callable[[ConnectorResult], Any], Callable[[Any], str]]] =
 ]
 
 
-def render(results: list[ConnectorResult]) -> str:
+def render(results: list[ConnectorResult], spec: list[tuple[str, Callable[[ConnectorResult], Any],
+                                                             Callable[[Any], str]]] | None = None,
+           per_group: bool = True) -> str:
+    """The table of `spec`'s rows (default: ROWS), one column per result, then each pool group's use
+    (`per_group`)."""
     head = ["metric"] + [r.connector for r in results]
     rows = [head]
-    for label, get, fmt in ROWS:
+    for label, get, fmt in (ROWS if spec is None else spec):
         rows.append([label] + [fmt(get(r)) for r in results])
-    groups = sorted({g for r in results for g in r.gpu_pool_util_per_group})
+    groups = sorted({g for r in results for g in r.gpu_pool_util_per_group}) if per_group else []
     for g in groups:
         rows.append([f"  pool {g} mean/p95"] + [
             "-" if g not in r.gpu_pool_util_per_group else

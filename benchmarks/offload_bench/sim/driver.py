@@ -246,8 +246,13 @@ class SchedulerDriver:
                 # same store jobs, and vLLM's aggregator concatenates the reports (the scheduler side waits for all
                 # of them). finished_sending/recving need no copies: the aggregator reports those once all agree.
                 from offload_connector.metadata import OffloadWorkerMetadata
-                wmeta = OffloadWorkerMetadata(stores_done=wmeta.stores_done * self.reporters,
-                                              stores_failed=wmeta.stores_failed * self.reporters)
+                # The disk and shared tiers' writes too: their planners also wait for every worker's report.
+                n = self.reporters
+                wmeta = OffloadWorkerMetadata(stores_done=wmeta.stores_done * n, stores_failed=wmeta.stores_failed * n,
+                                              disk_writes_done=wmeta.disk_writes_done * n,
+                                              disk_writes_failed=wmeta.disk_writes_failed * n,
+                                              remote_writes_done=wmeta.remote_writes_done * n,
+                                              remote_writes_failed=wmeta.remote_writes_failed * n)
             self.worker.take_stats()  # vLLM takes the worker's stats every step; nothing reads them here
             self.delayed_free -= sending
             # Sorted: vLLM frees the blocks of `finished_sending` in iteration order, and a set of str iterates in

@@ -20,7 +20,9 @@ until `release`.
 
 The copier sees per-group (host slot, GPU block) ids, not jobs. Fault injection and holds are decided per job, so the
 driver hands it each step's jobs (`expect`) before the worker issues them: the worker issues a step's stores, then
-its loads, in the metadata's order, and each copy is checked against the job it is taken for.
+its loads, in the metadata's order, and each copy is checked against the job it is taken for. A load that first
+reads blocks back into the CPU tier (disk or shared tier: `disk_keys` / `remote_keys`) is issued later, once they
+are back (the worker's `land_reads`); its copy is matched to it by its (slot, block) pairs then.
 """
 
 from __future__ import annotations
@@ -119,6 +121,7 @@ class TagCopier(BlockCopier):
         self.completed: list[tuple[float, str, TransferJob, bool]] = []  # (landed at, kind, job, ok)
         self._step = 0
         self._expected: dict[str, deque[TransferJob]] = {"d2h": deque(), "h2d": deque()}
+        self._read_back: list[TransferJob] = []  # loads issued once their disk / shared-tier reads are back
         self._refused: list[str] = []
 
     # ----------------------------------------------------------------- layout
@@ -143,7 +146,11 @@ class TagCopier(BlockCopier):
     def expect(self, meta: OffloadMetadata, step: int) -> None:
         """The jobs the worker is about to issue for this step (its stores, then its loads, in this order)."""
         self._step = step
-        self._expected = {"d2h": deque(meta.stores), "h2d": deque(meta.loads)}
+        # A load that reads blocks back from the disk or shared tier first is issued later, when they are all back
+        # (the worker's `land_reads`): it is matched by its (slot, block) pairs then.
+        now = [j for j in meta.loads if not (j.disk_keys or j.remote_keys)]
+        self._read_back.extend(j for j in meta.loads if j.disk_keys or j.remote_keys)
+        self._expected = {"d2h": deque(meta.stores), "h2d": deque(now)}
         if meta.store_fences:
             self.fenced += len(set(meta.store_fences))
 
@@ -166,10 +173,17 @@ class TagCopier(BlockCopier):
 
     def _copy(self, direction: str, ids: list[tuple[np.ndarray, np.ndarray] | None], stream: Any) -> Completion:
         queue = self._expected[direction]
+        pairs = [(int(h), int(d)) for entry in ids if entry is not None for h, d in zip(entry[0], entry[1])]
+        if not queue and direction == "h2d" and self._read_back:
+            want = Counter(pairs)
+            match = next((j for j in self._read_back if Counter(zip(j.host_slots, j.gpu_blocks)) == want), None)
+            if match is None:
+                raise AssertionError(f"the worker issued a load copy {sorted(pairs)} that no job explains")
+            self._read_back.remove(match)
+            queue = deque([match])
         if not queue:
             raise AssertionError(f"the worker issued a {direction} copy that no job explains")
         job = queue.popleft()
-        pairs = [(int(h), int(d)) for entry in ids if entry is not None for h, d in zip(entry[0], entry[1])]
         if Counter(pairs) != Counter(zip(job.host_slots, job.gpu_blocks)):
             raise AssertionError(f"the copy for job {job.job_id} moves {sorted(pairs)}, the job "
                                  f"{sorted(zip(job.host_slots, job.gpu_blocks))}")
