@@ -83,10 +83,20 @@ class AdmissionControl:
 
         def with_full(key: Any) -> bool:
             return self.available(key) or key in found
-        # Where the full-attention prefix ends with what the shared tier adds; the windows are queried below it.
+        # Where the full-attention prefix ends with what the shared tier adds. The windows queried: those of the
+        # last few windows below it (prompt ends and junctions near it), and the window at every checkpoint below it
+        # (`windows.store_points`: every engine with the same key stores those).
         top = full_prefix_tokens(self.layout.groups, keys, with_full, upper)
-        windows = [keys(g.index, i) for g in self.layout.groups if g.recycling
-                   for i in range(g.first_live_block(max(0, top - self._window_span(g))), top // g.block_size)]
+        spacing = self.config.window_checkpoint_tokens
+        align = self.layout.alignment
+        step_ = max(spacing - spacing % align, align) if spacing > 0 else 0
+        checkpoints = range(step_, top + 1, step_) if step_ else range(0)
+        windows: set[Any] = set()
+        for g in self.layout.groups:
+            if g.recycling:
+                windows.update(keys(g.index, i) for i in range(g.first_live_block(max(0, top - self._window_span(g))),
+                                                               top // g.block_size))
+                windows.update(keys(g.index, i) for point in checkpoints for i in g.restore_range(point))
         found = found | self.remote.present(rid, [k for k in windows if not self.available(k)], step, "windows")
         if not found:
             return self.available
