@@ -69,43 +69,12 @@ class AdmissionControl:
         return self.tier.is_ready(key) or (self.disk is not None and self.disk.readable(key))
 
     def _ready_fn(self, request: Any, upper: int, step: int) -> Callable[[Any], bool]:
-        """`available`, plus the blocks the shared tier holds when it is on: one batched query per request (cached
-        by the planner) for the full-attention blocks this host lacks up to `upper`, and for the window blocks of the
-        last `_REMOTE_WINDOW_SPAN` windows below the longest full-attention prefix it could then serve (window
-        blocks further down count as absent: a shorter hit, never a wrong one)."""
+        """`available`, plus the blocks the shared tier holds when it is on (`RemoteTierPlanner.ready_fn`)."""
         if self.remote is None:
             return self.available if self.disk is not None else self.tier.is_ready
-        keys = self.layout.keys(request)
-        upper = min(upper, keys.hashed_tokens())
-        rid = request.request_id
-        full = [keys(g.index, i) for g in self.layout.groups if not g.recycling for i in range(upper // g.block_size)]
-        found = self.remote.present(rid, [k for k in full if not self.available(k)], step, "full")
-
-        def with_full(key: Any) -> bool:
-            return self.available(key) or key in found
-        # Where the full-attention prefix ends with what the shared tier adds. The windows queried: those of the
-        # last few windows below it (prompt ends and junctions near it), and the window at every checkpoint below it
-        # (`windows.store_points`: every engine with the same key stores those).
-        top = full_prefix_tokens(self.layout.groups, keys, with_full, upper)
-        spacing = self.config.window_checkpoint_tokens
-        align = self.layout.alignment
-        step_ = max(spacing - spacing % align, align) if spacing > 0 else 0
-        checkpoints = range(step_, top + 1, step_) if step_ else range(0)
-        windows: set[Any] = set()
-        for g in self.layout.groups:
-            if g.recycling:
-                windows.update(keys(g.index, i) for i in range(g.first_live_block(max(0, top - self._window_span(g))),
-                                                               top // g.block_size))
-                windows.update(keys(g.index, i) for point in checkpoints for i in g.restore_range(point))
-        found = found | self.remote.present(rid, [k for k in windows if not self.available(k)], step, "windows")
-        if not found:
-            return self.available
-        return lambda key: self.available(key) or key in found
-
-    _REMOTE_WINDOW_SPAN = 4  # windows (or chunks) of recycling-group blocks queried below the top of a hit
-
-    def _window_span(self, g: Any) -> int:
-        return self._REMOTE_WINDOW_SPAN * max(g.sliding_window or g.chunk_size or g.block_size, g.block_size)
+        return self.remote.ready_fn(request.request_id, self.layout.keys(request), self.layout.groups,
+                                    self.layout.alignment, self.config.window_checkpoint_tokens, self.available,
+                                    upper, step)
 
     def hit(self, request: Any, upper: int, local: int = 0, step: int = 0) -> int:
         """The longest prefix up to `upper` tokens every group can restore from the tiers. Notes a shared-prefix end

@@ -9,7 +9,7 @@ worker never gets a marker, so no engine reads a block only some shards of which
 The store evicts on its own (Redis `maxmemory-policy`, Mooncake's eviction): a marker may outlive a shard. Such a
 read fails; the load fails like any failed load (vLLM recomputes) and the scheduler removes the marker.
 
-Lookups query the store (one batched `exists`) for the blocks no local tier holds, at most once every
+Lookups query the store (two batched `exists`, `ready_fn`) for the blocks no local tier holds, at most once every
 `PRESENT_TTL_STEPS` steps per request; a marker seen present may be gone by the time the load reads it, which is
 the failure above, never wrong bytes (every value is framed and checked).
 """
@@ -18,10 +18,11 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Hashable, Iterable, Sequence
+from typing import Any, Callable, Hashable, Iterable, Sequence
 
 from offload_connector.log import get_logger
 from offload_connector.metadata import TierWrite
+from offload_connector.scheduler.lookup import full_prefix_tokens
 from offload_connector.scheduler.tier_index import TierIndex
 
 logger = get_logger(__name__)
@@ -30,6 +31,7 @@ Key = tuple[int, Hashable]
 PRESENT_TTL_STEPS = 50
 # Blocks this engine knows it wrote (not written again while remembered); a bound on the scheduler's memory.
 KNOWN_WRITTEN = 1 << 20
+WINDOW_SPAN = 4  # windows (or chunks) of recycling-group blocks a lookup queries below the top of a hit
 MARKER_TIMEOUT_S = 2.0
 
 
@@ -87,6 +89,33 @@ class RemoteTierPlanner:
             found = frozenset(k for k, ok in zip(ask, self.markers.exists(ask)) if ok)
         answers[part] = (step, found)
         return found
+
+    def ready_fn(self, request_id: str, keys: Any, groups: Sequence[Any], alignment: int, spacing: int,
+                 available: Callable[[Key], bool], upper: int, step: int) -> Callable[[Key], bool]:
+        """`available` (this host's tiers) plus the blocks the shared tier holds, for a lookup up to `upper` tokens.
+
+        Two batched queries, not one per block of every group: the full-attention blocks this host lacks up to
+        `upper`; then, below the longest full-attention prefix that gives, the window blocks of the last
+        `WINDOW_SPAN` windows (prompt ends and junctions near it) and the window at every checkpoint
+        (`windows.store_points` with the same `spacing`: every engine stores those). Window blocks elsewhere count
+        as absent: a shorter hit, never a wrong one."""
+        upper = min(upper, keys.hashed_tokens())
+        full = [keys(g.index, i) for g in groups if not g.recycling for i in range(upper // g.block_size)]
+        found = self.present(request_id, [k for k in full if not available(k)], step, "full")
+        top = full_prefix_tokens(groups, keys, lambda k: available(k) or k in found, upper)
+        step_ = max(spacing - spacing % alignment, alignment) if spacing > 0 else 0
+        checkpoints = range(step_, top + 1, step_) if step_ else range(0)
+        windows: set[Key] = set()
+        for g in groups:
+            if g.recycling:
+                span = WINDOW_SPAN * max(g.sliding_window or g.chunk_size or g.block_size, g.block_size)
+                windows.update(keys(g.index, i) for i in range(g.first_live_block(max(0, top - span)),
+                                                               top // g.block_size))
+                windows.update(keys(g.index, i) for point in checkpoints for i in g.restore_range(point))
+        found = found | self.present(request_id, [k for k in windows if not available(k)], step, "windows")
+        if not found:
+            return available
+        return lambda key: available(key) or key in found
 
     def forget(self, request_id: str) -> None:
         """Drop `request_id`'s cached answers (its load was issued, or it finished)."""
