@@ -39,6 +39,10 @@ def test_shared_tier_loads_what_private_tiers_recompute(reduced):
     assert shared.extra["shared_blocks_written"] > 0 and shared.extra["shared_blocks_fetched"] > 0
     assert shared.extra["shared_fetch_failures"] == 0 and shared.extra["shared_put_tag_mismatches"] == 0
     assert shared.extra["shared_bytes_fetched"] > 0
+    # Admission stays exact whichever tier a load reads from: every admission's predicted blocks per group are what
+    # vLLM allocated (recorded admissions, as in the ledger fuzz).
+    for r in (private, shared):
+        assert r.extra["admissions_checked"] > 0 and r.extra["admission_mismatches"] == 0
     text = render([r.result for r in reduced.runs])
     assert "from the shared tier" in text and SHARED in text
     assert "2 engines, round-robin" in header(reduced) and "10 GB/s" in header(reduced)

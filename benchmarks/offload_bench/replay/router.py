@@ -232,6 +232,7 @@ def _finish(column: str, engines: list[RouterEngine], pool: SimPool | None, tota
         "too_big_tokens": sum(x.counters.too_big_tokens for x in sides),
         "held_for_older": sum(x.counters.held_for_older for x in sides),
         "batches_in_flight": int(getattr(engines[0].eng.driver, "batch_depth", 1)),
+        **_admission_check(sides),
     }
     if remotes:
         planners = [x.remote for x in sides]
@@ -294,6 +295,21 @@ def _gib(v: float | None) -> str:
     return "-" if v is None else f"{v / 2**30:.1f} GiB"
 
 
+def _admission_check(sides: Sequence[Any]) -> dict[str, int]:
+    """Every recorded admission's predicted blocks against what vLLM allocated (as the ledger fuzz checks them):
+    exact whichever tier the load reads from."""
+    checked = mismatched = 0
+    for side in sides:
+        for adm in side.admissions or ():
+            if adm.free_after is None:
+                continue  # vLLM refused the allocation after our verdict: nothing was taken
+            checked += 1
+            if (adm.free_before - adm.free_after != sum(adm.plan.now) or adm.entries_after != adm.plan.entries
+                    or adm.live_after != adm.plan.live):
+                mismatched += 1
+    return {"admissions_checked": checked, "admission_mismatches": mismatched}
+
+
 ROWS: list[tuple[str, Callable[[ConnectorResult], Any], Callable[[Any], str]]] = [
     ("stalled", lambda r: r.stalled, str),
     ("requests completed/total", lambda r: f"{r.requests_completed}/{r.requests_total}", str),
@@ -309,6 +325,8 @@ ROWS: list[tuple[str, Callable[[ConnectorResult], Any], Callable[[Any], str]]] =
     ("tokens recomputed", lambda r: r.tokens_recomputed, _f(",")),
     ("prompt tokens computed", lambda r: r.prompt_tokens_computed, _f(",")),
     ("admission deferrals", lambda r: r.admission_deferrals, _f(",")),
+    ("admissions checked / mispredicted", lambda r: f"{r.extra['admissions_checked']:,} / "
+                                                    f"{r.extra['admission_mismatches']:,}", str),
     ("shared tier blocks written / fetched", lambda r: None if "shared_blocks_written" not in r.extra else
      f"{r.extra['shared_blocks_written']:,} / {r.extra['shared_blocks_fetched']:,}", lambda v: v or "-"),
     ("shared tier bytes put / fetched", lambda r: None if "shared_bytes_put" not in r.extra else
