@@ -438,3 +438,22 @@ def test_config_lists_the_builtin_policies():
     from offload_connector.scheduler.eviction import BUILTIN_POLICIES
 
     assert EVICTION_POLICIES == tuple(BUILTIN_POLICIES)
+
+
+@pytest.mark.parametrize("name", ["lru", "slru", "arc"])
+def test_num_evictable_counts_what_evictable_keys_lists(name):
+    """`TierIndex.has_room` asks the policy for a count on every second-tier lookup: it must match the list."""
+    from offload_connector.scheduler.tier_index import TierIndex
+    tier = TierIndex(8, [1], policy=name)
+    keys = [(0, i) for i in range(12)]
+    for k in keys[:6]:
+        tier.begin_store([k])
+        tier.finish_store([k])
+    tier.pin(keys[:2])
+    assert tier.policy.num_evictable() == len(tier.policy.evictable_keys()) == 4
+    assert tier.has_room(2 + 4) and not tier.has_room(2 + 4 + 1)
+    tier.unpin(keys[:2])
+    for k in keys[6:]:
+        tier.begin_store([k])
+        tier.finish_store([k])
+    assert tier.policy.num_evictable() == len(tier.policy.evictable_keys())

@@ -203,9 +203,9 @@ class TierIndex:
 
     def has_room(self, n: int) -> bool:
         """Whether `begin_store` of `n` new keys would get a slot for each now (free slots and idle entries to
-        evict). Walks the evictable entries only when the free slots do not suffice."""
+        evict)."""
         free = self.capacity_slots - self._next_slot + len(self._free_slots)
-        return free >= n or free + sum(1 for _ in self.policy.evictable_keys()) >= n
+        return free >= n or free + self.policy.num_evictable() >= n
 
     def unpin(self, keys: Sequence[Key]) -> None:
         for key in reversed(keys):

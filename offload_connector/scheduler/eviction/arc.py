@@ -117,6 +117,9 @@ class ARCPolicy(EvictionPolicy):
         """T1 then T2, least recent first (the order victims take when T1 stays above its target)."""
         return [*self._t1, *self._t2]
 
+    def num_evictable(self) -> int:
+        return len(self._t1) + len(self._t2)
+
     # --------------------------------------------------------------- queries
     def sizes(self) -> dict[str, int]:
         return {"T1": self._sizes[1], "T2": self._sizes[2], "B1": len(self._b1), "B2": len(self._b2)}

@@ -76,3 +76,7 @@ class EvictionPolicy:
 
     def evictable_keys(self) -> list[Key]:
         raise NotImplementedError
+
+    def num_evictable(self) -> int:
+        """How many entries are evictable now (a policy with its own containers answers without a list)."""
+        return len(self.evictable_keys())

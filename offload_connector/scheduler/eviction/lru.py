@@ -42,3 +42,6 @@ class LRUPolicy(EvictionPolicy):
 
     def evictable_keys(self) -> list[Key]:
         return list(self._order)
+
+    def num_evictable(self) -> int:
+        return len(self._order)

@@ -80,3 +80,6 @@ class SegmentedLRUPolicy(EvictionPolicy):
     def evictable_keys(self) -> list[Key]:
         """Probation oldest first, then the protected segment oldest first."""
         return [*self._probation, *self._protected]
+
+    def num_evictable(self) -> int:
+        return len(self._probation) + len(self._protected)
