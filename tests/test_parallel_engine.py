@@ -179,3 +179,29 @@ def test_each_worker_holds_only_its_shard(model_dir: str, layout: str) -> None:
     # Bytes are recorded on every rank (its shard), blocks once: together they make up whole blocks.
     m = _metrics(off, "reload")
     assert m["vllm:offload_connector_loaded_bytes"] == m["vllm:offload_connector_loaded_blocks"] * full, m
+
+
+def test_tp2_restart_loads_from_every_ranks_disk_file(model_dir: str, tmp_path) -> None:
+    """The disk tier under TP2: each rank writes its own shard to its own file (dp0-pp0-tp<r>); a new engine on the
+    same directory recovers the blocks both files hold and reloads the prefix, with the output of TP2 without the
+    connector."""
+    baseline = _run(model_dir, "tp2", False)
+    tp, pp = LAYOUTS["tp2"]
+    kv = connector_config(cpu_bytes=CPU_BYTES, disk_path=str(tmp_path / "disk"), disk_bytes="16Mi")
+    env = {"VLLM_CPU_OMP_THREADS_BIND": omp_bind_one_core_per_rank(tp * pp), "VLLM_LOGGING_LEVEL": "INFO",
+           "VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
+    full = _script(model_dir, tp, pp, None)["actions"][-1]["requests"][0]["prompt_token_ids"]
+    store = {"model": model_dir, "engine": _engine(tp, pp), "kv_transfer_config": kv, "wall_s": 400,
+             "actions": [{"op": "generate", "requests": [{"id": "warm", "prompt_token_ids": full[:PREFIX + 1],
+                                                          "max_tokens": 1}]}, {"op": "drain"}]}
+    run_engine_logged(store, timeout=480, env=env)
+    files = sorted(p.parent.name for p in (tmp_path / "disk").rglob("slots.bin"))
+    assert files == ["dp0-pp0-tp0", "dp0-pp0-tp1"]
+    reload = {**store, "actions": [{"op": "generate", "stall_steps": 5000, "requests": [
+        {"id": "reload", "prompt_token_ids": full, "max_tokens": GEN}]}]}
+    res = run_engine_logged(reload, timeout=480, env=env)
+    out = _out(res, "reload")
+    assert out["external_tokens"] == PREFIX
+    assert out["token_ids"] == _out(baseline, "reload")["token_ids"]
+    assert res["disk"]["recovered"] > 0 and res["disk"]["dropped_at_start"] == 0
+    assert _metrics(res, "reload")["vllm:offload_connector_loaded_tokens"] == PREFIX
