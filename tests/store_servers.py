@@ -59,7 +59,7 @@ class MooncakeServer:
         with open(self.log, "w") as log:
             self.master = subprocess.Popen(
                 [*guard, master_bin, f"--rpc_port={port}", "--rpc_address=127.0.0.1", f"--metrics_port={free_port()}",
-                 "--default_kv_lease_ttl=100"],
+                 "--default_kv_lease_ttl=5000"],
                 stdout=log, stderr=subprocess.STDOUT, env=env)
         try:
             wait_port(port, self.master, 15, self.log)

@@ -65,7 +65,7 @@ def test_wheel_holds_the_connector_alone(tmp_path) -> None:
     code = [n for n in names if not n.startswith("offload_connector-")]
     assert code and all(n.startswith("offload_connector/") for n in code), code
     tops = {n.split("/")[1] for n in code if n.count("/") > 1}
-    assert tops == {"disk", "kernels", "scheduler", "worker"}, tops
+    assert tops == {"disk", "kernels", "remote", "scheduler", "worker"}, tops
     assert not [n for n in code if any(part in n.split("/") for part in ("sim", "replay", "soak", "tests"))]
     assert not [n for n in code if n.endswith(("cli.py", "__main__.py", ".jsonl.gz", "config.json"))]
     assert "offload_connector/kernels/gather_scatter.cu" in code and "offload_connector/kernels/host_copy.c" in code
