@@ -179,8 +179,21 @@ def mtp_draft_specs(vc: VllmConfig, target: dict[str, KVCacheSpec]) -> dict[str,
     first = hf.num_hidden_layers
     n = int(getattr(hf, "n_predict", None) or getattr(hf, "num_nextn_predict_layers", 1) or 1)
     swa = target["model.layers.0.attn.swa_cache"]
+    if not has_draft_spec_flag():
+        import vllm
+        raise UnsupportedModelError(f"vLLM {vllm.__version__}: its KV cache specs have no is_draft flag (vLLM 0.33 "
+                                    f"added it for draft layers), so MTP's draft cache cannot be laid out as vLLM "
+                                    f"0.33 does; speculative decoding replays need vllm==0.33.0")
     return {f"model.layers.{i}.attn.swa_cache": dataclasses.replace(swa, is_draft=True)
             for i in range(first, first + n)}
+
+
+def has_draft_spec_flag() -> bool:
+    """Whether this vLLM's KV cache specs mark draft layers (`is_draft`, vLLM 0.33)."""
+    import dataclasses
+
+    from vllm.v1.kv_cache_interface import SlidingWindowMLASpec
+    return any(f.name == "is_draft" for f in dataclasses.fields(SlidingWindowMLASpec))
 
 
 def _without_weight_quantization(hf_config: Any) -> Any:
