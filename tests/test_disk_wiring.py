@@ -15,7 +15,8 @@ from offload_connector.disk import DiskFingerprint, DiskStore
 from offload_connector.disk.format import HEADER_BYTES, slot_stride
 from offload_connector.disk.placement import disk_budget, disk_slots, rank_dir
 from offload_connector.metadata import TierWrite, OffloadMetadata, TransferJob
-from offload_connector.scheduler.disk_tier import DiskTierPlanner, max_writing_blocks
+from offload_connector.scheduler.disk_tier import DiskTierPlanner
+from offload_connector.scheduler.write_through import max_writing_blocks
 from offload_connector.scheduler.tier_index import TierIndex
 from offload_connector.worker.disk_io import WorkerDiskTier
 

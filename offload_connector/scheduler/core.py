@@ -18,7 +18,8 @@ from offload_connector.metrics import OffloadStats, OffloadStatsSink
 from offload_connector.scheduler import ledger
 from offload_connector.scheduler.admission import Admission, AdmissionControl
 from offload_connector.disk.placement import disk_slots
-from offload_connector.scheduler.disk_tier import DiskTierPlanner, dp_rank_of, max_writing_blocks
+from offload_connector.scheduler.disk_tier import DiskTierPlanner, dp_rank_of
+from offload_connector.scheduler.write_through import max_writing_blocks
 from offload_connector.scheduler.events import TierEvents, events_enabled
 from offload_connector.scheduler.remote_tier import RemoteTierPlanner, open_marker_store
 from offload_connector.scheduler.fairness import FairQueue

@@ -7,7 +7,7 @@ worker's tier never has to evict on its own). A key is readable once every worke
 
 - Write-through: when a store lands in the CPU tier its new entries are written to disk in the background (pinned
   in the CPU tier until every worker wrote them), so evicting a CPU-tier entry never waits for I/O. At most
-  `max_writing` blocks are being written at once; past that, blocks are not written (counted), so a slow disk
+  `max_writing` blocks (`write_through.max_writing_blocks`) are being written at once; past that, blocks are not written (counted), so a slow disk
   never pins the CPU tier full.
 - A lookup sees a key as available when the CPU tier has it ready, or when the disk tier has it and the CPU tier
   does not (not even being stored or read back). A load of such keys reserves CPU-tier slots for them and the
@@ -27,19 +27,12 @@ from offload_connector.disk.index import DiskEntry, DiskIndex, scan_directory
 from offload_connector.disk.placement import rank_dir
 from offload_connector.log import get_logger
 from offload_connector.metadata import TierWrite
+from offload_connector.scheduler.write_through import WriteThrough
 from offload_connector.scheduler.tier_index import TierIndex
 
 logger = get_logger(__name__)
 
 Key = tuple[int, Hashable]
-
-
-@dataclass
-class _Writing:
-    keys: tuple[Key, ...]
-    host_slots: tuple[int, ...]
-    reports: int = 0
-    retired: bool = False  # issued before a reset: nothing to commit, only CPU-tier slots to release
 
 
 @dataclass
@@ -66,15 +59,10 @@ class DiskTierPlanner:
     def __init__(self, tier: TierIndex, num_slots: int, reporters: int, max_writing: int) -> None:
         self.tier = tier
         self.catalog = DiskIndex(num_slots)
-        self.reporters = reporters
-        self.max_writing = max(1, max_writing)
         self.counters = DiskCounters()
-        self._writing: dict[int, _Writing] = {}
-        self._writing_blocks = 0
-        self._pending_writes: list[TierWrite] = []
+        self.writes = WriteThrough(tier, reporters, max_writing)
         self._pending_drops: list[Key] = []
         self._clear_pending = False
-        self._release_after_clear: list[tuple[int, ...]] = []  # CPU-tier slots of writes a reset cancelled unsent
 
     # --------------------------------------------------------------- start-up
     def recover(self, base_dir: str, dp_rank: int, pp_size: int, tp_size: int) -> None:
@@ -152,7 +140,7 @@ class DiskTierPlanner:
             if self.catalog.get(key) is not None:
                 self.catalog.touch(key)
                 continue
-            if self._writing_blocks + len(chosen) >= self.max_writing:
+            if not self.writes.has_room(len(chosen)):
                 self.counters.write_skips += 1
                 continue
             slot, evicted = self.catalog.reserve(key)
@@ -164,28 +152,16 @@ class DiskTierPlanner:
             chosen.append(key)
         if not chosen:
             return
-        slots = tuple(self.tier.pin(chosen, served=False))
-        self._writing[job_id] = _Writing(tuple(chosen), slots)
-        self._writing_blocks += len(chosen)
-        self._pending_writes.append(TierWrite(job_id, tuple(chosen), slots))
+        self.writes.issue(job_id, chosen)
         self.counters.writes_issued += len(chosen)
 
     def write_finished(self, job_id: int, ok: bool) -> None:
         """One worker reported disk write `job_id`. It lands when every worker reported it done; one failure drops
         its keys everywhere (the workers that wrote them forget them too)."""
-        w = self._writing.get(job_id)
-        if w is None:
+        keys = self.writes.report(job_id, ok)
+        if keys is None:
             return
-        if ok and w.reports + 1 < self.reporters:
-            w.reports += 1
-            return
-        del self._writing[job_id]
-        self._writing_blocks -= len(w.keys)
-        if w.retired:
-            self.tier.release_retired(w.host_slots)
-            return
-        self.tier.unpin(list(w.keys))
-        for key in w.keys:
+        for key in keys:
             entry = self.catalog.get(key)
             if entry is None:
                 continue
@@ -195,51 +171,36 @@ class DiskTierPlanner:
                 self.catalog.abort(entry)
                 self._pending_drops.append(key)
         if ok:
-            self.counters.writes_landed += len(w.keys)
+            self.counters.writes_landed += len(keys)
         else:
-            self.counters.write_failures += len(w.keys)
+            self.counters.write_failures += len(keys)
 
     # ----------------------------------------------------------------- reset
     def clear(self) -> None:
         """Forget the whole disk tier (a cache reset; the workers bump their file's epoch, so a restart finds
         nothing either). Call before `TierIndex.clear()`: the CPU-tier entries pinned by writes are retired there,
         and each write releases its slots when reported (or now, for writes not yet sent)."""
-        for job_id in [w.job_id for w in self._pending_writes]:
-            w = self._writing.pop(job_id)
-            self._writing_blocks -= len(w.keys)
-            w.retired = True
-            self._release_after_clear.append(w.host_slots)
-        for w in self._writing.values():
-            w.retired = True
-        self._pending_writes.clear()
+        self.writes.clear()
         self._pending_drops.clear()
         self.catalog.clear()
         self._clear_pending = True
 
     def after_tier_clear(self) -> None:
         """After `TierIndex.clear()`: release the retired slots of writes that were never sent."""
-        for slots in self._release_after_clear:
-            self.tier.release_retired(slots)
-        self._release_after_clear.clear()
+        self.writes.after_tier_clear()
 
     # ------------------------------------------------------------------- step
     def take_step(self) -> tuple[bool, tuple[Key, ...], tuple[TierWrite, ...]]:
         """(clear, drops, writes) for this step's metadata."""
-        out = (self._clear_pending, tuple(self._pending_drops), tuple(self._pending_writes))
-        self._clear_pending, self._pending_drops, self._pending_writes = False, [], []
+        out = (self._clear_pending, tuple(self._pending_drops), self.writes.take())
+        self._clear_pending, self._pending_drops = False, []
         return out
 
     def busy(self) -> bool:
-        return bool(self._writing or self._pending_drops or self._clear_pending)
+        return self.writes.busy() or bool(self._pending_drops or self._clear_pending)
 
     def used_slots(self) -> int:
         return self.catalog.used_slots()
-
-
-def max_writing_blocks(cpu_slots: int) -> int:
-    """Blocks the disk tier may be writing at once: a quarter of the CPU tier (at least 16 blocks, at most half), so
-    that a disk slower than the stores leaves most of the CPU tier evictable."""
-    return max(1, min(cpu_slots // 2, max(16, cpu_slots // 4)))
 
 
 def dp_rank_of(vllm_config: object) -> int:

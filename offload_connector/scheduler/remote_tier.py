@@ -23,6 +23,7 @@ from typing import Any, Callable, Hashable, Iterable, Sequence
 from offload_connector.log import get_logger
 from offload_connector.metadata import TierWrite
 from offload_connector.scheduler.lookup import full_prefix_tokens
+from offload_connector.scheduler.write_through import WriteThrough
 from offload_connector.scheduler.tier_index import TierIndex
 
 logger = get_logger(__name__)
@@ -47,14 +48,6 @@ class RemoteCounters:
 
 
 @dataclass
-class _Writing:
-    keys: tuple[Key, ...]
-    host_slots: tuple[int, ...]
-    reports: int = 0
-    retired: bool = False
-
-
-@dataclass
 class Fetch:
     """What a load reads from the shared tier (also CPU-tier entries being filled)."""
     keys: list[Key] = field(default_factory=list)
@@ -64,13 +57,8 @@ class RemoteTierPlanner:
     def __init__(self, markers: Any, tier: TierIndex, reporters: int, max_writing: int) -> None:
         self.markers = markers  # a RemoteStore under the engine-independent marker fingerprint
         self.tier = tier
-        self.reporters = reporters
-        self.max_writing = max(1, max_writing)
         self.counters = RemoteCounters()
-        self._writing: dict[int, _Writing] = {}
-        self._writing_blocks = 0
-        self._pending_writes: list[TierWrite] = []
-        self._release_after_clear: list[tuple[int, ...]] = []
+        self.writes = WriteThrough(tier, reporters, max_writing)
         self._written: OrderedDict[Key, None] = OrderedDict()
         self._present: dict[str, dict[str, tuple[int, frozenset]]] = {}  # request -> part -> (step, keys present)
 
@@ -141,37 +129,25 @@ class RemoteTierPlanner:
             if key in self._written:
                 self._written.move_to_end(key)
                 continue
-            if self._writing_blocks + len(chosen) >= self.max_writing:
+            if not self.writes.has_room(len(chosen)):
                 self.counters.write_skips += 1
                 continue
             chosen.append(key)
         if not chosen:
             return
-        slots = tuple(self.tier.pin(chosen, served=False))
-        self._writing[job_id] = _Writing(tuple(chosen), slots)
-        self._writing_blocks += len(chosen)
-        self._pending_writes.append(TierWrite(job_id, tuple(chosen), slots))
+        self.writes.issue(job_id, chosen)
         self.counters.writes_issued += len(chosen)
 
     def write_finished(self, job_id: int, ok: bool) -> None:
         """One worker reported shared-tier write `job_id`: once every worker wrote its shard, the markers go in."""
-        w = self._writing.get(job_id)
-        if w is None:
+        keys = self.writes.report(job_id, ok)
+        if keys is None:
             return
-        if ok and w.reports + 1 < self.reporters:
-            w.reports += 1
-            return
-        del self._writing[job_id]
-        self._writing_blocks -= len(w.keys)
-        if w.retired:
-            self.tier.release_retired(w.host_slots)
-            return
-        self.tier.unpin(list(w.keys))
         if not ok:
-            self.counters.write_failures += len(w.keys)
+            self.counters.write_failures += len(keys)
             return
-        landed = self.markers.put(list(w.keys), [b"\x01"] * len(w.keys))
-        for key, good in zip(w.keys, landed):
+        landed = self.markers.put(list(keys), [b"\x01"] * len(keys))
+        for key, good in zip(keys, landed):
             if good:
                 self._written[key] = None
         while len(self._written) > KNOWN_WRITTEN:
@@ -183,13 +159,7 @@ class RemoteTierPlanner:
     def clear(self) -> None:
         """A cache reset: this engine stops serving from the shared tier what it saw before (the pool itself is
         shared with other engines and is not emptied). Call before `TierIndex.clear()`; see `after_tier_clear`."""
-        for write in self._pending_writes:
-            w = self._writing.pop(write.job_id)
-            self._writing_blocks -= len(w.keys)
-            self._release_after_clear.append(w.host_slots)
-        for w in self._writing.values():
-            w.retired = True
-        self._pending_writes.clear()
+        self.writes.clear()
         self._written.clear()
         self._present.clear()
 
@@ -197,17 +167,14 @@ class RemoteTierPlanner:
         self.markers.set_epoch(epoch)
 
     def after_tier_clear(self) -> None:
-        for slots in self._release_after_clear:
-            self.tier.release_retired(slots)
-        self._release_after_clear.clear()
+        self.writes.after_tier_clear()
 
     # ------------------------------------------------------------------- step
     def take_step(self) -> tuple[TierWrite, ...]:
-        out, self._pending_writes = tuple(self._pending_writes), []
-        return out
+        return self.writes.take()
 
     def busy(self) -> bool:
-        return bool(self._writing or self._pending_writes)
+        return self.writes.busy()
 
 
 def open_marker_store(config: Any, vllm_config: Any, kv_cache_config: Any, groups: Sequence[Any]) -> Any:
