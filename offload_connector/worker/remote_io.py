@@ -27,6 +27,13 @@ def with_default_timeout(kind: str, options: dict[str, Any], seconds: float) -> 
     return options
 
 
+def io_deltas(store: Any, seen: tuple[int, int, int]) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
+    """A store's (bytes put, bytes fetched, failed or rejected blocks) since `seen`, and the totals to pass next."""
+    s = store.stats()
+    now = (s.put_bytes, s.get_bytes, s.put_failures + s.errors + sum(s.rejected.values()))
+    return (max(0, now[0] - seen[0]), max(0, now[1] - seen[1]), max(0, now[2] - seen[2])), now
+
+
 class FetchIO:
     """Completion handle of one load's shared-tier reads (`done()`, then `ok` and `error`)."""
 
@@ -115,11 +122,8 @@ class WorkerRemoteTier:
 
     def io_deltas(self) -> tuple[int, int, int]:
         """(bytes written, bytes read, failed operations) since the last call."""
-        s = self.store.stats()
-        now = (s.put_bytes, s.get_bytes, s.put_failures + s.errors + sum(s.rejected.values()))
-        delta = tuple(max(0, a - b) for a, b in zip(now, self._seen))
-        self._seen = now
-        return delta  # type: ignore[return-value]
+        delta, self._seen = io_deltas(self.store, self._seen)
+        return delta
 
     def set_epoch(self, epoch: int) -> None:
         self.store.set_epoch(epoch)

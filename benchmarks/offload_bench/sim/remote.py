@@ -251,11 +251,9 @@ class SimWorkerRemoteTier:
         return done, failed
 
     def io_deltas(self) -> tuple[int, int, int]:
-        s = self.store.stats()
-        now = (s.put_bytes, s.get_bytes, s.put_failures + s.errors + sum(s.rejected.values()))
-        delta = tuple(max(0, a - b) for a, b in zip(now, self._seen))
-        self._seen = now
-        return delta  # type: ignore[return-value]
+        from offload_connector.worker.remote_io import io_deltas
+        delta, self._seen = io_deltas(self.store, self._seen)
+        return delta
 
     def pending(self) -> int:
         return len(self._writes)
