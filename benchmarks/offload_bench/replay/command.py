@@ -582,33 +582,51 @@ def run(args: argparse.Namespace) -> int:
     from offload_bench.platform import use_cpu_platform
 
     use_cpu_platform()  # before vLLM is imported
-    pick = lambda given, default: default if given is None else given  # noqa: E731  (0 is not "unset")
+    settings = _engine_settings(args, model, md, td, pp, spec_k, time_model)
     if args.engines > 1:
-        return _run_router(args, workload, model, md, td, pp, spec_k, time_model)
+        return _run_router(args, workload, settings)
     from offload_bench.replay.connectors import ReplayEngine
-    from offload_bench.replay.pool_dump import format_dump
     from offload_bench.replay.runner import ReplayConfig, run_replay
     from offload_bench.replay.table import header, render
     from offload_bench.replay.timemodel import SimClock
 
     try:
-        cfg = ReplayConfig(
-            model=model, connectors=connectors, num_gpu_blocks=pick(args.gpu_blocks, md.num_gpu_blocks),
-            cpu_bytes=pick(args.cpu_bytes, md.cpu_bytes), max_num_batched_tokens=args.max_num_batched_tokens,
-            max_model_len=pick(args.max_model_len, md.max_model_len), max_num_seqs=args.max_num_seqs,
-            seed=args.seed, stall_steps=args.stall_steps, max_steps=args.max_steps, limit=pick(args.limit, td.limit),
-            time_scale=pick(args.time_scale, td.time_scale), check_loads=not args.no_check_loads,
-            offload_extra=tuple(sorted(args.offload_config.items())), time_model=time_model,
-            pipeline_parallel_size=pp, num_speculative_tokens=spec_k)
+        cfg = ReplayConfig(connectors=connectors, **settings)
     except ValueError as err:
         return fail(PROG, err)
-    problem = preflight([(kind, lambda kind=kind: ReplayEngine(kind, cfg, SimClock(cfg.time_model)))
-                         for kind in cfg.connectors], cfg)
+    return _run_and_report(
+        args, model, [(kind, lambda kind=kind: ReplayEngine(kind, cfg, SimClock(cfg.time_model)))
+                      for kind in cfg.connectors], cfg,
+        lambda: run_replay(workload, cfg, progress=_Bars(not args.no_progress)), header, render, plots=True)
+
+
+def _engine_settings(args: argparse.Namespace, model: str, md: ModelDefaults, td: TraceDefaults, pp: int,
+                     spec_k: int, time_model: Any) -> dict[str, Any]:
+    """The settings a single-engine replay and the router replay share, each default resolved."""
+    pick = lambda given, default: default if given is None else given  # noqa: E731  (0 is not "unset")
+    return dict(
+        model=model, num_gpu_blocks=pick(args.gpu_blocks, md.num_gpu_blocks),
+        cpu_bytes=pick(args.cpu_bytes, md.cpu_bytes), max_num_batched_tokens=args.max_num_batched_tokens,
+        max_model_len=pick(args.max_model_len, md.max_model_len), max_num_seqs=args.max_num_seqs,
+        seed=args.seed, stall_steps=args.stall_steps, max_steps=args.max_steps, limit=pick(args.limit, td.limit),
+        time_scale=pick(args.time_scale, td.time_scale), check_loads=not args.no_check_loads,
+        offload_extra=tuple(sorted(args.offload_config.items())), time_model=time_model,
+        pipeline_parallel_size=pp, num_speculative_tokens=spec_k)
+
+
+def _run_and_report(args: argparse.Namespace, model: str, builders: list[tuple[str, Callable[[], Any]]], cfg: Any,
+                    run: Callable[[], Any], header: Callable[[Any], str], render: Callable[[list[Any]], str],
+                    plots: bool = False) -> int:
+    """Preflight (build every engine the replay will build), run, print the table and any stall dump, write the
+    JSON (and the plot where the replay has one)."""
+    from offload_bench.replay.pool_dump import format_dump
+
+    problem = preflight(builders, cfg)
     if problem is not None:
         return fail(PROG, problem)
     t0 = time.time()
     try:
-        out = run_replay(workload, cfg, progress=_Bars(not args.no_progress))
+        out = run()
     except NotImplementedError as err:  # a config.json whose layer specs the simulation cannot derive
         return fail(PROG, f"--model {model}: {err}")
     print()
@@ -625,7 +643,7 @@ def run(args: argparse.Namespace) -> int:
             with open(args.json, "w") as fh:
                 json.dump(out.to_json(), fh, indent=2, default=str)
             print(f"results: {args.json}")
-        if args.plot:
+        if plots and args.plot:
             from offload_bench.replay.plots import plot
 
             print(f"plot: {plot(out, args.plot)}")
@@ -635,52 +653,21 @@ def run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _run_router(args: argparse.Namespace, workload: Any, model: str, md: ModelDefaults, td: TraceDefaults, pp: int,
-                spec_k: int, time_model: Any) -> int:
+def _run_router(args: argparse.Namespace, workload: Any, settings: dict[str, Any]) -> int:
     """--engines 2 or more: the router replay (replay/router.py), two columns, one table."""
-    from offload_bench.replay.pool_dump import format_dump
     from offload_bench.replay.router import COLUMNS, RouterConfig, RouterEngine, header, render, run_router
     from offload_bench.sim.remote import DEFAULT_SHARED_BANDWIDTH_GBPS, DEFAULT_SHARED_LATENCY_MS, SimPool
 
-    pick = lambda given, default: default if given is None else given  # noqa: E731  (0 is not "unset")
     try:
         cfg = RouterConfig(
-            model=model, num_gpu_blocks=pick(args.gpu_blocks, md.num_gpu_blocks),
-            cpu_bytes=pick(args.cpu_bytes, md.cpu_bytes), max_num_batched_tokens=args.max_num_batched_tokens,
-            max_model_len=pick(args.max_model_len, md.max_model_len), max_num_seqs=args.max_num_seqs,
-            seed=args.seed, stall_steps=args.stall_steps, max_steps=args.max_steps, limit=pick(args.limit, td.limit),
-            time_scale=pick(args.time_scale, td.time_scale), check_loads=not args.no_check_loads,
-            offload_extra=tuple(sorted(args.offload_config.items())), time_model=time_model,
-            pipeline_parallel_size=pp, num_speculative_tokens=spec_k, engines=args.engines,
-            router=args.router or "round-robin",
-            shared_bandwidth_gbps=pick(args.shared_bandwidth_gbps, DEFAULT_SHARED_BANDWIDTH_GBPS),
-            shared_latency_ms=pick(args.shared_latency_ms, DEFAULT_SHARED_LATENCY_MS))
+            **settings, engines=args.engines, router=args.router or "round-robin",
+            shared_bandwidth_gbps=(DEFAULT_SHARED_BANDWIDTH_GBPS if args.shared_bandwidth_gbps is None
+                                   else args.shared_bandwidth_gbps),
+            shared_latency_ms=(DEFAULT_SHARED_LATENCY_MS if args.shared_latency_ms is None
+                               else args.shared_latency_ms))
     except ValueError as err:
         return fail(PROG, err)
-    problem = preflight([(column, lambda column=column: RouterEngine(0, cfg, SimPool() if column != COLUMNS[0]
-                                                                     else None)) for column in cfg.columns], cfg)
-    if problem is not None:
-        return fail(PROG, problem)
-    t0 = time.time()
-    try:
-        out = run_router(workload, cfg, progress=_Bars(not args.no_progress))
-    except NotImplementedError as err:
-        return fail(PROG, f"--model {model}: {err}")
-    print()
-    print(header(out))
-    print()
-    print(render([r.result for r in out.runs]))
-    for r in out.runs:
-        if r.result.stall_dump is not None:
-            print()
-            print(format_dump(r.result.connector, r.result.stall_dump))
-    print(f"\nwall time {time.time() - t0:.0f} s")
-    try:
-        if args.json:
-            with open(args.json, "w") as fh:
-                json.dump(out.to_json(), fh, indent=2, default=str)
-            print(f"results: {args.json}")
-    except OSError as err:
-        print(f"{PROG}: error: {one_line(f'cannot write the results ({err})')}", file=sys.stderr)
-        return 1
-    return 0
+    return _run_and_report(
+        args, settings["model"], [(column, lambda column=column: RouterEngine(
+            0, cfg, SimPool() if column != COLUMNS[0] else None)) for column in cfg.columns], cfg,
+        lambda: run_router(workload, cfg, progress=_Bars(not args.no_progress)), header, render)
