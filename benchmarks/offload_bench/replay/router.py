@@ -27,7 +27,7 @@ from typing import Any, Callable, Sequence
 from offload_bench.replay.command import MAX_ENGINES
 from offload_bench.replay.connectors import EngineSettings, ReplayEngine
 from offload_bench.replay.metrics import ConnectorResult, Recorder
-from offload_bench.replay.runner import RunOutput, phase_marks
+from offload_bench.replay.runner import RunOutput, phase_marks, result_from_summary, select
 from offload_bench.replay.timemodel import SimClock, TimeModel
 from offload_bench.replay.trace import PromptBuilder, TraceRecord, clip_to_model
 from offload_bench.replay.workloads import Workload
@@ -249,32 +249,17 @@ def _finish(column: str, engines: list[RouterEngine], pool: SimPool | None, tota
             shared_bytes_fetched=sum(r.timing.fetch_bytes for r in remotes),
             shared_link_busy_s=[round(r.timing.busy_seconds, 3) for r in remotes],
             shared_store_values=len(pool.values) if pool is not None else 0)
-    res = ConnectorResult(
-        connector=column, stalled=stall is not None, first_stall_step=stall[1] if stall else None,
-        requests_total=total, requests_completed=s["requests_completed"], simulated_seconds=sim_s,
-        steps=sum(e.eng.step_no for e in engines), output_tokens=s["output_tokens"],
-        output_tokens_per_s=s["output_tokens"] / sim_s if sim_s > 0 else 0.0,
-        ttft_p50_s=s["ttft_p50_s"], ttft_p95_s=s["ttft_p95_s"],
-        tokens_loaded_from_cpu=s["tokens_loaded_from_cpu"] - shared_tokens, tokens_recomputed=s["tokens_recomputed"],
-        recomputed_tokens_in_cpu=s["recomputed_tokens_in_cpu"], recomputed_restorable=s["recomputed_restorable"],
-        prompt_tokens_computed=s["prompt_tokens_computed"],
-        gpu_pool_util_mean=s["gpu_pool_util_mean"], gpu_pool_util_p95=s["gpu_pool_util_p95"],
-        gpu_pool_util_per_group=s["gpu_pool_util_per_group"], admission_deferrals=s["admission_deferrals"],
-        cpu_tier_bytes=tier_bytes, cpu_tier_cached_tokens=tier_tokens,
-        cpu_tier_bytes_per_cached_token=(tier_bytes / tier_tokens) if tier_tokens else None,
-        transfer_bytes_loaded=sum(e.eng.tally.load_bytes for e in engines),
-        transfer_bytes_stored=sum(e.eng.tally.store_bytes for e in engines),
-        stopped_reason=reason, wall_seconds=round(wall, 1),
-        stall_dump=pool_holders(stall[0].eng) if stall is not None else None, extra=extra)
+    res = result_from_summary(
+        column, s, total=total, simulated_seconds=sim_s, steps=sum(e.eng.step_no for e in engines),
+        stall_step=stall[1] if stall else None, tier_bytes=tier_bytes, tier_tokens=tier_tokens,
+        loaded_bytes=sum(e.eng.tally.load_bytes for e in engines),
+        stored_bytes=sum(e.eng.tally.store_bytes for e in engines), reason=reason, wall=wall,
+        stall_dump=pool_holders(stall[0].eng) if stall is not None else None, extra=extra,
+        tokens_loaded_from_cpu=s["tokens_loaded_from_cpu"] - shared_tokens)
     for e in engines:  # nothing of the worker sides is read after this
         if e.remote is not None:
             e.remote.close()
     return RunOutput(res, rec.series(), sim_s if stall is not None else None)
-
-
-def select(workload: Workload, cfg: RouterConfig) -> list[TraceRecord]:
-    recs = list(workload.records)
-    return recs[: cfg.limit] if cfg.limit else recs
 
 
 def run_router(workload: Workload, cfg: RouterConfig, progress: Progress | None = None) -> RouterOutput:

@@ -67,7 +67,8 @@ class ReplayOutput:
 Progress = Callable[[str, int, int, dict[str, Any]], None]  # connector, completed, total, status
 
 
-def select(workload: Workload, cfg: ReplayConfig) -> list[TraceRecord]:
+def select(workload: Workload, cfg: Any) -> list[TraceRecord]:
+    """The records a replay runs: the first `cfg.limit` (a ReplayConfig or a RouterConfig), or all."""
     recs = list(workload.records)
     return recs[: cfg.limit] if cfg.limit else recs
 
@@ -125,31 +126,44 @@ def _finish(kind: str, eng: ReplayEngine, clock: SimClock, total: int, stall_ste
             wall: float) -> RunOutput:
     from offload_bench.replay.pool_dump import pool_holders
 
-    s = eng.recorder.summary()
     tier_bytes, tier_tokens = eng.tier_usage()
-    sim_s = clock.now
-    res = ConnectorResult(
-        connector=kind, stalled=stall_step is not None, first_stall_step=stall_step, requests_total=total,
-        requests_completed=s["requests_completed"], simulated_seconds=sim_s, steps=eng.step_no,
+    res = result_from_summary(
+        kind, eng.recorder.summary(), total=total, simulated_seconds=clock.now, steps=eng.step_no,
+        stall_step=stall_step, tier_bytes=tier_bytes, tier_tokens=tier_tokens, loaded_bytes=eng.tally.load_bytes,
+        stored_bytes=eng.tally.store_bytes, reason=reason, wall=wall,
+        stall_dump=pool_holders(eng) if stall_step is not None else None,
+        extra={"num_blocks": eng.sim.kv_cache_config.num_blocks, "groups": eng.group_names,
+               "loads_content_checked": eng.loads_content_checked(),
+               **_load_outcomes(eng), **_spec_outcomes(eng),
+               # Which groups' admission count sim/vllm_patched.py replaced (vllm-offloading-patched only).
+               **({"admission_fix_groups": list(eng.patched_groups)} if eng.patched_groups else {})})
+    return RunOutput(res, eng.recorder.series(), clock.now if stall_step is not None else None)
+
+
+def result_from_summary(connector: str, s: dict[str, Any], *, total: int, simulated_seconds: float, steps: int,
+                        stall_step: int | None, tier_bytes: int | None, tier_tokens: int | None, loaded_bytes: int,
+                        stored_bytes: int, reason: str, wall: float, stall_dump: Any, extra: dict[str, Any],
+                        tokens_loaded_from_cpu: int | None = None) -> ConnectorResult:
+    """One column's result from a `Recorder.summary()` and the run's own figures (the single-engine replay and the
+    router replay both report through it). `tokens_loaded_from_cpu`: when not every loaded token came from a CPU
+    tier (the router's shared tier), the part that did."""
+    sim_s = simulated_seconds
+    return ConnectorResult(
+        connector=connector, stalled=stall_step is not None, first_stall_step=stall_step, requests_total=total,
+        requests_completed=s["requests_completed"], simulated_seconds=sim_s, steps=steps,
         output_tokens=s["output_tokens"], output_tokens_per_s=s["output_tokens"] / sim_s if sim_s > 0 else 0.0,
         ttft_p50_s=s["ttft_p50_s"], ttft_p95_s=s["ttft_p95_s"],
-        tokens_loaded_from_cpu=s["tokens_loaded_from_cpu"], tokens_recomputed=s["tokens_recomputed"],
+        tokens_loaded_from_cpu=(s["tokens_loaded_from_cpu"] if tokens_loaded_from_cpu is None
+                                else tokens_loaded_from_cpu),
+        tokens_recomputed=s["tokens_recomputed"],
         recomputed_tokens_in_cpu=s["recomputed_tokens_in_cpu"], recomputed_restorable=s["recomputed_restorable"],
         prompt_tokens_computed=s["prompt_tokens_computed"],
         gpu_pool_util_mean=s["gpu_pool_util_mean"], gpu_pool_util_p95=s["gpu_pool_util_p95"],
         gpu_pool_util_per_group=s["gpu_pool_util_per_group"], admission_deferrals=s["admission_deferrals"],
         cpu_tier_bytes=tier_bytes, cpu_tier_cached_tokens=tier_tokens,
         cpu_tier_bytes_per_cached_token=(tier_bytes / tier_tokens) if tier_bytes and tier_tokens else None,
-        transfer_bytes_loaded=eng.tally.load_bytes, transfer_bytes_stored=eng.tally.store_bytes,
-        stopped_reason=reason, wall_seconds=round(wall, 1),
-        stall_dump=pool_holders(eng) if stall_step is not None else None,
-        extra={"num_blocks": eng.sim.kv_cache_config.num_blocks, "groups": eng.group_names,
-               "loads_content_checked": eng.loads_content_checked(),
-               **_load_outcomes(eng), **_spec_outcomes(eng),
-               # Which groups' admission count sim/vllm_patched.py replaced (vllm-offloading-patched only).
-               **({"admission_fix_groups": list(eng.patched_groups)} if eng.patched_groups else {})},
-    )
-    return RunOutput(res, eng.recorder.series(), clock.now if stall_step is not None else None)
+        transfer_bytes_loaded=loaded_bytes, transfer_bytes_stored=stored_bytes,
+        stopped_reason=reason, wall_seconds=round(wall, 1), stall_dump=stall_dump, extra=extra)
 
 
 def _spec_outcomes(eng: ReplayEngine) -> dict[str, int]:
