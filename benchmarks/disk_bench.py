@@ -11,8 +11,16 @@ store's own (CRC, records, hand-offs). Write times include the final fsync. Stor
 (computed on write, verified on read), the record block and the thread pool's hand-offs; `crc32` is the
 single-thread checksum speed, for scale. `--repeat` rounds run every pass in turn; the table shows medians.
 
+Read-back latency (once, after the rounds): half the slots are written, then `--loads` read-backs of
+`--load-blocks` random slots each are timed as the worker issues them for one load (every read at once, into its
+own buffer, then wait for all), first on an idle store, then while a writer thread keeps writing the other half's
+slots through the same store (the disk tier's write-through of newly stored blocks, with at most
+`2 x threads` writes in flight). Reads and writes share the store's I/O threads, so this is what a load waits for
+when the tier is also being written. Every read-back's bytes are checked.
+
     .venv-vllm033/bin/python benchmarks/disk_bench.py [--dir DIR] [--total-mib 2048] [--slot-bytes 2621440]
-        [--threads 2] [--chunk-mib 64] [--arena-slots 32] [--repeat 3] [--no-direct] [--json]
+        [--threads 2] [--chunk-mib 64] [--arena-slots 32] [--repeat 3] [--load-blocks 64] [--loads 20]
+        [--no-direct] [--json]
 """
 from __future__ import annotations
 
@@ -25,6 +33,7 @@ import shutil
 import statistics
 import sys
 import tempfile
+import threading
 import time
 import zlib
 from collections import deque
@@ -170,6 +179,85 @@ def store_pass(directory: str, total: int, slot_bytes: int, threads: int, want_d
     return out
 
 
+def latency_pass(directory: str, total: int, slot_bytes: int, threads: int, want_direct: bool,
+                 load_blocks: int, loads: int) -> dict:
+    """Read-back latency of one load (`load_blocks` slots read at once), idle and under a concurrent writer."""
+    n = total // slot_bytes
+    half = max(1, n // 2)
+    k = min(load_blocks, half)
+    fp = DiskFingerprint("bench", (slot_bytes,), (16,), "bfloat16", slot_bytes)
+    keys = [(0, i.to_bytes(32, "big")) for i in range(n)]
+    src = _aligned(8 * slot_bytes).reshape(8, slot_bytes)
+    _fill(src.reshape(-1), 5)
+    dst = _aligned(k * slot_bytes).reshape(k, slot_bytes)
+    dst[:] = 1
+    rng = np.random.default_rng(7)
+    out: dict = dict(load_blocks=k, loads=loads, read_set_slots=half)
+    s = DiskStore(directory, fp, HEADER_BYTES + n * slot_stride(slot_bytes), io_threads=threads, direct=want_direct)
+    try:
+        window = max(2 * threads, 4)
+        inflight: deque = deque()
+        for i in range(half):
+            if len(inflight) >= window and not inflight.popleft().wait():
+                raise RuntimeError("a store write failed")
+            inflight.append(s.write(keys[i], src[i % 8]))
+        if not all(h.wait() for h in inflight):
+            raise RuntimeError("a store write failed")
+        s.flush()
+
+        def timed_loads() -> list[float]:
+            if not s.direct:
+                _drop_cache(s._fd)
+            took = []
+            for _ in range(loads):
+                pick = rng.choice(half, size=k, replace=False)
+                t0 = time.perf_counter()
+                handles = [s.read(keys[i], dst[j]) for j, i in enumerate(pick)]
+                ok = [h.wait() for h in handles]
+                took.append(time.perf_counter() - t0)
+                if not all(ok):
+                    raise RuntimeError(f"a read-back failed: {next(h.error for h, o in zip(handles, ok) if not o)}")
+                for j, i in enumerate(pick):
+                    if not np.array_equal(dst[j], src[i % 8]):
+                        raise RuntimeError(f"slot {i} read back different bytes")
+            return took
+
+        out["idle_s"] = timed_loads()
+        stop = threading.Event()
+        wrote = {"slots": 0, "seconds": 0.0, "ran_out": False, "failed": 0}
+
+        def writer() -> None:
+            t0 = time.perf_counter()
+            q: deque = deque()
+            for i in range(half, n):
+                if stop.is_set():
+                    break
+                if len(q) >= window and not q.popleft().wait():
+                    wrote["failed"] += 1
+                q.append(s.write(keys[i], src[i % 8]))
+                wrote["slots"] += 1
+            else:
+                wrote["ran_out"] = True
+            wrote["failed"] += sum(1 for h in q if not h.wait())
+            wrote["seconds"] = time.perf_counter() - t0
+
+        w = threading.Thread(target=writer, name="disk-bench-writer")
+        w.start()
+        try:
+            out["loaded_s"] = timed_loads()
+        finally:
+            stop.set()
+            w.join()
+        out["writer"] = wrote
+    finally:
+        s.close()
+    return out
+
+
+def _ms(v: list[float], q: float) -> float:
+    return 1e3 * float(np.quantile(np.asarray(v), q))
+
+
 def crc_speed(slot_bytes: int) -> float:
     a = _aligned(slot_bytes)
     _fill(a, 4)
@@ -189,6 +277,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--chunk-mib", type=int, default=64, help="raw pass: bytes per sequential write/read")
     p.add_argument("--arena-slots", type=int, default=32, help="host buffer slots the store copies from/to")
     p.add_argument("--repeat", type=int, default=3, help="rounds of all passes; the table shows each pass's median")
+    p.add_argument("--load-blocks", type=int, default=64, help="read-back latency: slots one load reads")
+    p.add_argument("--loads", type=int, default=20, help="read-back latency: loads timed, idle and under writes")
     p.add_argument("--no-direct", action="store_true", help="buffered I/O for both passes")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     a = p.parse_args(argv)
@@ -196,8 +286,8 @@ def main(argv: list[str] | None = None) -> int:
         _fail(f"--slot-bytes must be positive, got {a.slot_bytes}")
     if a.total_mib <= 0 or (a.total_mib << 20) < a.slot_bytes:
         _fail(f"--total-mib {a.total_mib} must hold at least one {a.slot_bytes}-byte slot")
-    if a.threads < 1 or a.chunk_mib < 1 or a.arena_slots < 1 or a.repeat < 1:
-        _fail("--threads, --chunk-mib, --arena-slots and --repeat must be at least 1")
+    if a.threads < 1 or a.chunk_mib < 1 or a.arena_slots < 1 or a.repeat < 1 or a.load_blocks < 1 or a.loads < 1:
+        _fail("--threads, --chunk-mib, --arena-slots, --repeat, --load-blocks and --loads must be at least 1")
     total = (a.total_mib << 20) // a.slot_bytes * a.slot_bytes  # the same bytes for both passes
     made = a.dir is None
     root = tempfile.mkdtemp(prefix="disk-bench-", dir="/tmp") if made else a.dir
@@ -224,6 +314,8 @@ def main(argv: list[str] | None = None) -> int:
             ("raw_w", 0, "write_s"), ("raw_r", 0, "read_s"), ("raws_w", 1, "write_s"), ("raws_r", 1, "read_s"),
             ("st_w", 2, "write_s"), ("st_rs", 2, "read_seq_s"), ("st_rr", 2, "read_rand_s"))}
         med = {k: statistics.median(v) for k, v in samples.items()}
+        lat = latency_pass(os.path.join(work, "latency"), total, a.slot_bytes, a.threads, not a.no_direct,
+                           a.load_blocks, a.loads)
     finally:
         shutil.rmtree(work, ignore_errors=True)
         if made:
@@ -246,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
                   chunk_bytes=a.chunk_mib << 20, raw_direct=raw["direct"], store_direct=store["direct"],
                   reads_hit_page_cache=page_cache, crc32_gbps=crc / 1e9, cpus=os.cpu_count(),
                   machine=platform.platform(), store_stats=store["stats"],
-                  repeat=a.repeat,
+                  repeat=a.repeat, read_back=lat,
                   rows={name: dict(seconds_median=med[k], seconds_all=samples[k], gib_per_s=gib / med[k],
                                    vs_raw=(med[ref] / med[k] if ref else None)) for name, k, ref in rows})
     if a.json:
@@ -262,6 +354,18 @@ def main(argv: list[str] | None = None) -> int:
         each = " ".join(f"{gib / x:.2f}" for x in samples[k])
         print(f"{name:<28}{t:>9.2f}{gib / t:>9.2f}{(f'{med[ref] / t:.2f}' if ref else ''):>8}  [{each}]")
     print(f"crc32 (zlib, 1 thread): {crc / 1e9:.2f} GB/s; store stats: {store['stats']}")
+    mib = lat["load_blocks"] * a.slot_bytes / (1 << 20)
+    wr = lat["writer"]
+    print(f"\nread-back of one load: {lat['load_blocks']} slots ({mib:.0f} MiB) read at once, {lat['loads']} loads "
+          f"from {lat['read_set_slots']} written slots")
+    print(f"{'':<28}{'p50 ms':>9}{'p95 ms':>9}{'max ms':>9}{'GiB/s':>9}")
+    for name, v in (("idle store", lat["idle_s"]), ("under write-through", lat["loaded_s"])):
+        print(f"{name:<28}{_ms(v, 0.5):>9.1f}{_ms(v, 0.95):>9.1f}{1e3 * max(v):>9.1f}"
+              f"{mib / 1024 / statistics.median(v):>9.2f}")
+    rate = wr["slots"] * a.slot_bytes / (1 << 30) / wr["seconds"] if wr["seconds"] else 0.0
+    print(f"writer during the loaded pass: {wr['slots']} slots, {rate:.2f} GiB/s"
+          + (" (ran out of slots before the loads ended: the last loads ran without it)" if wr["ran_out"] else "")
+          + (f", {wr['failed']} writes failed" if wr["failed"] else ""))
     return 0
 
 
