@@ -285,11 +285,11 @@ def check_speculative(model: str, k: int) -> None:
 
 
 def check_router(args: argparse.Namespace) -> None:
-    """The router mode's options go together: --router and --shared-* need --engines 2 or more, which runs the
-    offload connector only (with and without the shared tier) and draws no plot."""
+    """The router mode's options go together: --router and --shared-* (bandwidth, latency, bytes) need --engines 2
+    or more, which runs the offload connector only (with and without the shared tier) and draws no plot."""
     if args.engines == 1:
         for flag, value in (("--router", args.router), ("--shared-bandwidth-gbps", args.shared_bandwidth_gbps),
-                            ("--shared-latency-ms", args.shared_latency_ms)):
+                            ("--shared-latency-ms", args.shared_latency_ms), ("--shared-bytes", args.shared_bytes)):
             if value is not None:
                 raise ArgError(f"{flag} needs --engines 2 or more (several engines behind a router)")
         return
@@ -495,6 +495,10 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--shared-latency-ms", type=float_in(*SHARED_LATENCY_MS),
                    help=f"fixed cost of one shared-tier call, {SHARED_LATENCY_MS[0]:g} to {SHARED_LATENCY_MS[1]:g} "
                         f"(--engines 2 or more; default 0.5)")
+    p.add_argument("--shared-bytes", type=parse_bytes,
+                   help="shared store capacity, 1 B to 1 PiB, as --cpu-bytes; least recently used values are evicted "
+                        "(as Redis allkeys-lru), a block counting its real bytes (--engines 2 or more; default: "
+                        "unbounded)")
     p.add_argument("--json", help="write the results here (the directory must exist)")
     p.add_argument("--plot", help="write a plot here, e.g. a .png (needs matplotlib; the directory must exist)")
     p.add_argument("--no-progress", action="store_true")
@@ -664,10 +668,11 @@ def _run_router(args: argparse.Namespace, workload: Any, settings: dict[str, Any
             shared_bandwidth_gbps=(DEFAULT_SHARED_BANDWIDTH_GBPS if args.shared_bandwidth_gbps is None
                                    else args.shared_bandwidth_gbps),
             shared_latency_ms=(DEFAULT_SHARED_LATENCY_MS if args.shared_latency_ms is None
-                               else args.shared_latency_ms))
+                               else args.shared_latency_ms),
+            shared_bytes=args.shared_bytes)
     except ValueError as err:
         return fail(PROG, err)
     return _run_and_report(
         args, settings["model"], [(column, lambda column=column: RouterEngine(
-            0, cfg, SimPool() if column != COLUMNS[0] else None)) for column in cfg.columns], cfg,
+            0, cfg, SimPool(cfg.shared_bytes) if column != COLUMNS[0] else None)) for column in cfg.columns], cfg,
         lambda: run_router(workload, cfg, progress=_Bars(not args.no_progress)), header, render)

@@ -9,7 +9,9 @@ sharing a prefix with an earlier one, lands on another engine than the one that 
 Two columns, each a fresh set of N engines:
 - `offload (private)`: every engine has only its private CPU tier; a prefix another engine computed is recomputed.
 - `offload+shared`: the same engines, each also with the shared tier (`remote_store`), all over one simulated
-  shared store (sim/remote.py): an engine loads what another engine wrote through.
+  shared store (sim/remote.py): an engine loads what another engine wrote through. The store never evicts unless
+  `shared_bytes` bounds it (--shared-bytes): it then evicts least-recently-used values, and a load whose shard was
+  evicted under a live marker fails and is recomputed, as with a real store.
 
 Both columns run on one simulated clock: at every turn the engine whose GPU timeline is furthest behind steps (an
 idle engine jumps to its next arrival), so what one engine writes to the shared store at simulated time t is seen
@@ -50,6 +52,7 @@ class RouterConfig(EngineSettings):
     columns: tuple[str, ...] = COLUMNS
     shared_bandwidth_gbps: float = DEFAULT_SHARED_BANDWIDTH_GBPS
     shared_latency_ms: float = DEFAULT_SHARED_LATENCY_MS
+    shared_bytes: int | None = None  # the shared store's capacity (LRU eviction); None: it never evicts
     seed: int = 0
     stall_steps: int = 200
     max_steps: int = 200_000  # per engine
@@ -68,6 +71,10 @@ class RouterConfig(EngineSettings):
             raise ValueError(f"shared_bandwidth_gbps must be > 0 (got {self.shared_bandwidth_gbps})")
         if not (self.shared_latency_ms >= 0 and math.isfinite(self.shared_latency_ms)):
             raise ValueError(f"shared_latency_ms must be >= 0 (got {self.shared_latency_ms})")
+        if self.shared_bytes is not None and (isinstance(self.shared_bytes, bool)
+                                              or not isinstance(self.shared_bytes, int) or self.shared_bytes < 1):
+            raise ValueError(f"shared_bytes must be an int >= 1, or None for an unbounded store (got "
+                             f"{self.shared_bytes!r})")
         if self.time_scale <= 0:
             raise ValueError(f"time_scale must be > 0 (got {self.time_scale})")
         if self.limit is not None and self.limit < 1:
@@ -116,7 +123,7 @@ class RouterEngine:
 
 
 def build_column(column: str, cfg: RouterConfig) -> tuple[list[RouterEngine], SimPool | None]:
-    pool = SimPool() if column == SHARED else None
+    pool = SimPool(cfg.shared_bytes) if column == SHARED else None
     engines = [RouterEngine(i, cfg, pool) for i in range(cfg.engines)]
     ever = engines[0].eng.recorder.ever
     for e in engines[1:]:
@@ -244,11 +251,12 @@ def _finish(column: str, engines: list[RouterEngine], pool: SimPool | None, tota
             shared_blocks_fetched=sum(r.fetched_blocks for r in remotes),
             shared_fetches=sum(r.fetches for r in remotes),
             shared_fetch_failures=sum(r.fetch_failures for r in remotes),
+            shared_loads_failed=sum(p.counters.fetch_failures for p in planners),  # recomputed; markers removed
             shared_put_tag_mismatches=sum(r.put_tag_mismatches for r in remotes),
             shared_bytes_put=sum(r.timing.put_bytes for r in remotes),
             shared_bytes_fetched=sum(r.timing.fetch_bytes for r in remotes),
             shared_link_busy_s=[round(r.timing.busy_seconds, 3) for r in remotes],
-            shared_store_values=len(pool.values) if pool is not None else 0)
+            **_store_figures(pool))
     res = result_from_summary(
         column, s, total=total, simulated_seconds=sim_s, steps=sum(e.eng.step_no for e in engines),
         stall_step=stall[1] if stall else None, tier_bytes=tier_bytes, tier_tokens=tier_tokens,
@@ -278,6 +286,16 @@ def _f(fmt: str) -> Callable[[Any], str]:
 
 def _gib(v: float | None) -> str:
     return "-" if v is None else f"{v / 2**30:.1f} GiB"
+
+
+def _store_figures(pool: SimPool | None) -> dict[str, Any]:
+    """What the shared store held at the end and what a bounded one evicted (shard values at their blocks' bytes,
+    markers at their own length)."""
+    if pool is None:
+        return {}
+    return {"shared_store_values": len(pool.values), "shared_store_bytes": pool.used_bytes,
+            "shared_store_capacity_bytes": pool.capacity_bytes, "shared_evictions": pool.evictions,
+            "shared_evicted_bytes": pool.evicted_bytes, "shared_puts_refused": pool.refused}
 
 
 def _admission_check(sides: Sequence[Any]) -> dict[str, int]:
@@ -318,6 +336,9 @@ ROWS: list[tuple[str, Callable[[ConnectorResult], Any], Callable[[Any], str]]] =
      f"{_gib(r.extra['shared_bytes_put'])} / {_gib(r.extra['shared_bytes_fetched'])}", lambda v: v or "-"),
     ("shared tier write skips / fetch failures", lambda r: None if "shared_write_skips" not in r.extra else
      f"{r.extra['shared_write_skips']:,} / {r.extra['shared_fetch_failures']:,}", lambda v: v or "-"),
+    ("shared store evictions (values / bytes)", lambda r: None if "shared_evictions" not in r.extra else
+     f"{r.extra['shared_evictions']:,} / {_gib(r.extra['shared_evicted_bytes'])}", lambda v: v or "-"),
+    ("shared store bytes held at the end", lambda r: r.extra.get("shared_store_bytes"), _gib),
     ("CPU tier bytes (all engines)", lambda r: r.cpu_tier_bytes, _gib),
     ("bytes loaded / stored (host<->GPU)",
      lambda r: f"{_gib(r.transfer_bytes_loaded)} / {_gib(r.transfer_bytes_stored)}", str),
@@ -333,6 +354,13 @@ def render(results: list[ConnectorResult]) -> str:
     return render_rows(results, spec=ROWS, per_group=False)
 
 
+def _capacity(shared_bytes: int | None) -> str:
+    if shared_bytes is None:
+        return "unbounded (never evicts)"
+    return (f"capacity {_gib(shared_bytes)} ({shared_bytes:,} bytes), least recently used values evicted (as Redis "
+            f"allkeys-lru; a block's value counts its real bytes)")
+
+
 def header(out: RouterOutput) -> str:
     from offload_bench.replay.table import header as replay_header
 
@@ -344,7 +372,8 @@ def header(out: RouterOutput) -> str:
     return "\n".join(lines + [
         f"shared tier ({SHARED} column): one simulated in-process store shared by every engine (sim/remote.py), "
         f"behind the connector's real remote_store path; per engine one call at a time, {cfg.shared_latency_ms:g} ms "
-        f"+ bytes / {cfg.shared_bandwidth_gbps:g} GB/s each; marker lookups take no simulated time",
+        f"+ bytes / {cfg.shared_bandwidth_gbps:g} GB/s each; marker lookups take no simulated time; "
+        f"{_capacity(cfg.shared_bytes)}",
         "tokens recomputed: prompt tokens computed that some engine had computed before the request arrived; "
         "tokens loaded from the shared tier: those whose full-attention blocks a load fetched from the store (they "
         "then stay in that engine's CPU tier: later loads of them count as from the CPU tiers)",

@@ -7,11 +7,15 @@ reported its shard; the worker side (`OffloadWorker`) fetches a load's shared-ti
 slots before the GPU copy (`_start_reads`, `land_reads`). Two things are simulated here:
 
 - `SimSharedStore`: a `RemoteStore` (the connector's store interface) whose five raw operations work on a dict
-  shared by every client (`SimPool`), like tests/test_shared_tier.py's DictStore. Everything above the raw
-  operations is the connector's own code: keys from the real fingerprints (the scheduler's marker fingerprint and
-  each worker's shard fingerprint, as `open_marker_store` / `WorkerRemoteTier.open` compute them), value framing,
-  CRC and key checks. `sim_store_factory(pool)` makes the connector open these instead of Redis or Mooncake while
-  an engine is built (it replaces `offload_connector.remote.make_remote_store` for that time only).
+  shared by every client (`SimPool`), like tests/test_shared_tier.py's DictStore. The pool may be bounded
+  (`capacity_bytes`): it then evicts least-recently-used values as Redis' `allkeys-lru` does, counting a shard value
+  as the block of its group it stands for (the bytes `RemoteTiming` moves) and a marker at its framed length. An
+  evicted shard under a live marker is what a real store does too: the load's fetch fails, vLLM recomputes, the
+  scheduler removes the markers. Everything above the raw operations is the connector's own code: keys from the
+  real fingerprints (the scheduler's marker fingerprint and each worker's shard fingerprint, as
+  `open_marker_store` / `WorkerRemoteTier.open` compute them), value framing, CRC and key checks.
+  `sim_store_factory(pool)` makes the connector open these instead of Redis or Mooncake while an engine is built
+  (it replaces `offload_connector.remote.make_remote_store` for that time only).
 - `SimWorkerRemoteTier`: stands in for `worker.remote_io.WorkerRemoteTier` (same methods) in the simulated worker,
   whose CPU tier is a meta-device tensor and whose copier moves tags (`sim.tagcopy.TagCopier`). A put reads the
   tags its CPU-tier slots hold (`TagCopier.host`) and stores each as the block's value (the tag pickled and padded to
@@ -33,7 +37,7 @@ from __future__ import annotations
 import contextlib
 import pickle
 import struct
-from dataclasses import dataclass, field
+from collections import OrderedDict
 from typing import Any, Hashable, Iterator, Sequence
 
 from offload_connector.remote.base import RemoteFingerprint, RemoteStore
@@ -44,40 +48,109 @@ TAG_VALUE_BYTES = 256  # a tag's value: 2-byte length, the pickled tag, zero pad
 _LEN = struct.Struct("<H")
 
 
-@dataclass
 class SimPool:
-    """The shared store's contents (store key -> framed value), shared by every client of every engine."""
-    values: dict[str, bytes] = field(default_factory=dict)
-    puts: int = 0
-    gets: int = 0
-    exists_calls: int = 0
+    """The shared store's contents (store key -> framed value), shared by every client of every engine.
+
+    With `capacity_bytes` the pool is bounded like Redis with `maxmemory` and `allkeys-lru`: a put that would
+    exceed it first evicts the least recently used values (a put or a successful get is a use; `exists` is not, as
+    Redis' EXISTS does not touch a key). Each value counts at the size its client gives (`put(name, value, size)`):
+    a worker's shard value stands for one block of its group, so it counts as that block's bytes, not its tag's. A
+    value larger than the whole capacity is refused."""
+
+    def __init__(self, capacity_bytes: int | None = None) -> None:
+        if capacity_bytes is not None and (isinstance(capacity_bytes, bool) or not isinstance(capacity_bytes, int)
+                                           or capacity_bytes < 1):
+            raise ValueError(f"SimPool: capacity_bytes must be an int >= 1, or None for unbounded (got "
+                             f"{capacity_bytes!r})")
+        self.capacity_bytes = capacity_bytes
+        self.values: OrderedDict[str, bytes] = OrderedDict()  # least recently used first
+        self._sizes: dict[str, int] = {}
+        self.used_bytes = 0
+        self.puts = 0
+        self.gets = 0
+        self.exists_calls = 0
+        self.evictions = 0
+        self.evicted_bytes = 0
+        self.refused = 0  # puts of a value larger than the whole capacity
+
+    def put(self, name: str, value: bytes, size: int) -> bool:
+        """Store `value` under `name`, counting `size` bytes; False (nothing changed) if it cannot fit at all."""
+        self.puts += 1
+        if self.capacity_bytes is not None and size > self.capacity_bytes:
+            self.refused += 1
+            return False
+        self.discard(name)  # an overwrite frees the old value's bytes; that is not an eviction
+        if self.capacity_bytes is not None:
+            while self.used_bytes + size > self.capacity_bytes:
+                self._evict_oldest()
+        self.values[name] = value
+        self._sizes[name] = size
+        self.used_bytes += size
+        return True
+
+    def get(self, name: str) -> bytes | None:
+        self.gets += 1
+        value = self.values.get(name)
+        if value is not None:
+            self.values.move_to_end(name)
+        return value
+
+    def contains(self, name: str) -> bool:
+        return name in self.values
+
+    def discard(self, name: str) -> None:
+        if self.values.pop(name, None) is not None:
+            self.used_bytes -= self._sizes.pop(name)
+
+    def _evict_oldest(self) -> None:
+        name, _ = self.values.popitem(last=False)
+        size = self._sizes.pop(name)
+        self.used_bytes -= size
+        self.evictions += 1
+        self.evicted_bytes += size
 
 
 class SimSharedStore(RemoteStore):
-    """One client of the simulated shared store: a `RemoteStore` over `pool` under `fingerprint`."""
+    """One client of the simulated shared store: a `RemoteStore` over `pool` under `fingerprint`.
+
+    A value counts in the pool at its framed length (the scheduler's markers), unless the client was told what its
+    values stand for (`count_values_as`, which `SimWorkerRemoteTier` does): a worker's shard value is a tag standing
+    for one block of its group."""
 
     kind = "sim"
 
-    def __init__(self, fingerprint: RemoteFingerprint, pool: SimPool, namespace: str = "oc") -> None:
+    def __init__(self, fingerprint: RemoteFingerprint, pool: SimPool, namespace: str = "oc",
+                 block_bytes: Sequence[int] | None = None) -> None:
         super().__init__(fingerprint, namespace)
         self.pool = pool
+        self.block_bytes: tuple[int, ...] | None = None
+        if block_bytes is not None:
+            self.count_values_as(block_bytes)
+
+    def count_values_as(self, block_bytes: Sequence[int]) -> None:
+        """Count each value put from now on as one block of its group: `block_bytes[group]` bytes."""
+        self.block_bytes = tuple(int(b) for b in block_bytes)
+
+    def _size(self, name: str, value: bytes) -> int:
+        if self.block_bytes is None:
+            return len(value)
+        # A key is `RemoteKey.prefix` + "<group>/<block hash>"; self.keys follows set_epoch, as the names do.
+        group = int(name[len(self.keys.prefix):].partition("/")[0])
+        return self.block_bytes[group]
 
     def _put_raw(self, names: list[str], values: list[bytes]) -> list[bool]:
-        self.pool.puts += len(names)
-        self.pool.values.update(zip(names, map(bytes, values)))
-        return [True] * len(names)
+        return [self.pool.put(n, bytes(v), self._size(n, v)) for n, v in zip(names, values)]
 
     def _get_raw(self, names: list[str]) -> list[Any]:
-        self.pool.gets += len(names)
-        return [self.pool.values.get(n) for n in names]
+        return [self.pool.get(n) for n in names]
 
     def _exists_raw(self, names: list[str]) -> list[bool]:
         self.pool.exists_calls += 1
-        return [n in self.pool.values for n in names]
+        return [self.pool.contains(n) for n in names]
 
     def _remove_raw(self, names: list[str]) -> None:
         for n in names:
-            self.pool.values.pop(n, None)
+            self.pool.discard(n)
 
     def _close_raw(self) -> None:
         pass
@@ -190,6 +263,8 @@ class SimWorkerRemoteTier:
     def __init__(self, store: RemoteStore, copier: Any, timing: RemoteTiming, full_groups: Sequence[int] = (),
                  block_sizes: Sequence[int] = ()) -> None:
         self.store = store
+        if isinstance(store, SimSharedStore):  # a bounded pool must count a tag as the block it stands for
+            store.count_values_as(timing.group_bytes)
         self.copier = copier
         self.timing = timing
         self._writes: dict[int, _Call] = {}
