@@ -14,11 +14,11 @@ its own tokens. That checks the load and store plans, and the worker, end to end
 
 from __future__ import annotations
 
-import random
 from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
+from offload_bench.sim.drafts import DraftSampler
 from offload_bench.sim.tagcopy import TagCopier, build_worker
 
 
@@ -84,12 +84,10 @@ class SchedulerDriver:
         self.delayed_free: set[str] = set()  # finished requests whose finished_sending the worker has not reported
         # Speculative decoding: how many drafts the proposer offers and the target accepts is random (seeded).
         self.num_spec_tokens = int(getattr(scheduler, "num_spec_tokens", 0) or 0)
-        self._spec_rng = random.Random(spec_seed)
+        self.drafts = DraftSampler(spec_seed)
         # Under async scheduling the scheduler schedules placeholder drafts itself (AsyncScheduler); a synchronous
         # engine feeds the proposer's drafts after each step (EngineCore.post_step).
         self.feeds_drafts = self.num_spec_tokens > 0 and not cfg.scheduler_config.async_scheduling
-        self.drafts_scheduled = 0
-        self.drafts_accepted = 0
         self._tagged: dict[str, list[int]] = {}  # per request, per group: blocks [0, n) already tagged
         self._settled: dict[str, int] = {}  # per request: tokens whose KV applied batches have computed
 
@@ -195,19 +193,7 @@ class SchedulerDriver:
             self.engine.check_issued()
             self.delayed_free.update(meta.delayed_free)
         self._write_computed_tags(out)
-        req_ids = list(out.num_scheduled_tokens)
-        sampled = []
-        spec = getattr(out, "scheduled_spec_decode_tokens", None) or {}
-        for rid in req_ids:
-            req = self.sched.requests[rid]
-            if req.num_computed_tokens < req.num_tokens:
-                sampled.append([])  # a prefill chunk short of the prompt's end samples nothing
-                continue
-            drafts = len(spec.get(rid, ()))
-            accepted = self._spec_rng.randint(0, drafts) if drafts else 0
-            self.drafts_scheduled += drafts
-            self.drafts_accepted += accepted
-            sampled.append([7] * (1 + accepted))  # accepted drafts, then the bonus token
+        req_ids, sampled = self.drafts.sample(self.sched, out)
         # Whether a transfer was in flight during this step (measured before this step's completions land). A load
         # whose completion vLLM was told about but has not processed (its queue scan broke before reaching it) is
         # not in flight, so a wedged scheduler reads as idle. Blocks of finished requests that wait only for their
@@ -228,6 +214,14 @@ class SchedulerDriver:
         if self.record:
             self.history.append(rec)
         return rec
+
+    @property
+    def drafts_scheduled(self) -> int:
+        return self.drafts.scheduled
+
+    @property
+    def drafts_accepted(self) -> int:
+        return self.drafts.accepted
 
     def _apply_oldest(self) -> None:
         from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
@@ -292,7 +286,7 @@ class SchedulerDriver:
         from vllm.v1.outputs import DraftTokenIds
 
         k = self.num_spec_tokens
-        drafts = [[7] * self._spec_rng.choice((0, k, k, self._spec_rng.randint(0, k))) for _ in req_ids]
+        drafts = [[7] * self.drafts.rng.choice((0, k, k, self.drafts.rng.randint(0, k))) for _ in req_ids]
         self.sched.update_draft_token_ids(DraftTokenIds(req_ids=list(req_ids), draft_token_ids=drafts))
 
     def run(self, max_steps: int = 100_000, stall_steps: int = 50,

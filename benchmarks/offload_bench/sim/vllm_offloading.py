@@ -17,7 +17,6 @@ the (simulated) forward, `wait_for_save`, `get_transfer_results`, `build_connect
 from __future__ import annotations
 
 import pickle
-import random
 from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable, Iterable, Sequence
@@ -27,6 +26,8 @@ from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
 from vllm.v1.kv_offload.base import OffloadingWorker, TransferResult
 from vllm.v1.outputs import ModelRunnerOutput
+
+from offload_bench.sim.drafts import DraftSampler
 
 __all__ = ["FakeOffloadingWorker", "VllmOffloadingWorkerSim", "VllmOffloadingDriver", "offloading_config"]
 
@@ -191,9 +192,7 @@ class VllmOffloadingDriver:
         self.finished: set[str] = set()
         # Speculative decoding under async scheduling (AsyncScheduler schedules placeholder drafts): as
         # SchedulerDriver, a seeded random number (0..scheduled) of a request's drafts is accepted.
-        self._spec_rng = random.Random(spec_seed)
-        self.drafts_scheduled = 0
-        self.drafts_accepted = 0
+        self.drafts = DraftSampler(spec_seed)
 
     @property
     def pool(self) -> Any:
@@ -207,23 +206,19 @@ class VllmOffloadingDriver:
         self.step_no += 1
         out = self.sched.schedule()
         kv_out = self.worker.execute(out, self.step_no)
-        req_ids = list(out.num_scheduled_tokens)
-        sampled = []
-        spec = getattr(out, "scheduled_spec_decode_tokens", None) or {}
-        for rid in req_ids:
-            req = self.sched.requests[rid]
-            if req.num_computed_tokens < req.num_tokens:
-                sampled.append([])
-                continue
-            drafts = len(spec.get(rid, ()))
-            accepted = self._spec_rng.randint(0, drafts) if drafts else 0
-            self.drafts_scheduled += drafts
-            self.drafts_accepted += accepted
-            sampled.append([7] * (1 + accepted))
+        req_ids, sampled = self.drafts.sample(self.sched, out)
         self._queue.append((out, req_ids, sampled, kv_out))
         while self._queue and (len(self._queue) >= self.batch_depth or out.total_num_scheduled_tokens == 0):
             self._apply_oldest()
         return out
+
+    @property
+    def drafts_scheduled(self) -> int:
+        return self.drafts.scheduled
+
+    @property
+    def drafts_accepted(self) -> int:
+        return self.drafts.accepted
 
     def _apply_oldest(self) -> None:
         out, req_ids, sampled, kv_out = self._queue.popleft()

@@ -1,0 +1,36 @@
+"""What a simulated step samples per scheduled request, speculative drafts included (seeded, shared by the driver of
+our connector and the one of vLLM's, so both columns of a replay accept the same way)."""
+
+from __future__ import annotations
+
+import random
+from typing import Any
+
+
+class DraftSampler:
+    """A prefill chunk short of the prompt's end samples nothing. Any other scheduled request samples its accepted
+    drafts, a seeded uniform 0..k of the k drafts it was scheduled with (vLLM rolls the rest back), then the bonus
+    token. Every token is 7, like the simulated model's samples. `rng` is also the stream the synchronous proposer
+    draws from (`SchedulerDriver._feed_drafts`), so the order of draws, and every replay figure, stays as it was."""
+
+    def __init__(self, seed: int) -> None:
+        self.rng = random.Random(seed)
+        self.scheduled = 0  # drafts scheduled
+        self.accepted = 0  # drafts accepted
+
+    def sample(self, sched: Any, out: Any) -> tuple[list[str], list[list[int]]]:
+        """The scheduled request ids of `out` (vLLM's SchedulerOutput) and what each samples."""
+        req_ids = list(out.num_scheduled_tokens)
+        spec = getattr(out, "scheduled_spec_decode_tokens", None) or {}
+        sampled: list[list[int]] = []
+        for rid in req_ids:
+            req = sched.requests[rid]
+            if req.num_computed_tokens < req.num_tokens:
+                sampled.append([])
+                continue
+            drafts = len(spec.get(rid, ()))
+            accepted = self.rng.randint(0, drafts) if drafts else 0
+            self.scheduled += drafts
+            self.accepted += accepted
+            sampled.append([7] * (1 + accepted))
+        return req_ids, sampled
