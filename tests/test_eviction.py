@@ -194,8 +194,10 @@ def test_arc_original_variant_puts_ghost_hits_in_t2():
 
 def test_reoffered_entries_count_as_reuse_for_arc_and_optionally_slru_never_for_lru():
     """A store offering a key the tier holds (a request computed the block again, or found it on the GPU) is a
-    reuse for ARC (as in vLLM's ARC), for SLRU only with reuse_on_store, and changes nothing under LRU."""
-    for policy, expect in (("lru", None), ("slru", None), (SegmentedLRUPolicy(10, reuse_on_store=True), "protected"),
+    reuse for ARC (as in vLLM's ARC), for SLRU a touch (recent end of probation, not protected) or with
+    reuse_on_store a reuse, and changes nothing under LRU."""
+    for policy, expect in (("lru", None), (SegmentedLRUPolicy(10, touch_on_reoffer=False), None),
+                           ("slru", "touched"), (SegmentedLRUPolicy(10, reuse_on_store=True), "protected"),
                            ("arc", "T2"), (ARCPolicy(10, reuse_on_store=False), "T1")):
         tier = TierIndex(10, [10], policy=policy)
         a, b = keys(2, tag="a"), keys(2, tag="b")
@@ -205,6 +207,10 @@ def test_reoffered_entries_count_as_reuse_for_arc_and_optionally_slru_never_for_
         assert tier.begin_store(a + keys(1, tag="c")) != []  # a is offered again, c is new
         if expect is None:
             assert tier.evictable_keys() == order  # c is still pinned by its store
+        elif expect == "touched":
+            assert order[:2] == [a[1], a[0]]  # a was the oldest (released tail first)...
+            assert tier.evictable_keys() == [b[1], b[0], a[1], a[0]]  # ...and is now the most recent
+            assert not tier.policy._protected
         elif expect == "protected":
             assert tier.evictable_keys()[-2:] == [a[1], a[0]] and a[0] in tier.policy._protected
         else:

@@ -11,8 +11,9 @@ order. `TierIndex` calls a policy at these points, and only there:
 * `touch(key)`: the entry was used again; only meaningful while it is evictable.
 * `reoffered(key)`: a store offered a key the tier already holds, readable: a request computed that block again (or
   found it in vLLM's GPU prefix cache) without loading it. Once per request and block, a prefix tail first. vLLM's
-  CPU offloading manager counts this as a reuse; the built-in policies ignore it unless asked to (`lru` always does,
-  so that it keeps the tier's original behaviour).
+  CPU offloading manager counts this as a reuse. `arc` counts it as a hit (as vLLM's ARC); `slru` moves the entry to
+  the recent end of its segment without protecting it (or protects it, with `reuse_on_store`); `lru` ignores it, so
+  that it keeps the tier's original behaviour.
 * `removed(key)`: the entry left the tier other than as a victim: dropped (failed store or load) or cleared one by
   one. Not a cache decision, so no ghost of it is kept.
 * `victim()`: pick one evictable entry, forget it (the tier evicts it) and return its key; None when none is
