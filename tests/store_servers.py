@@ -49,7 +49,8 @@ class MooncakeServer:
         import_client(lib_path)  # RemoteUnavailable (a failure, not a skip) if installed but not loadable
         master_bin = os.path.join(os.path.dirname(importlib.util.find_spec("mooncake").origin), "mooncake_master")
         port = free_port()
-        env = dict(os.environ)
+        from tests.session_env import BASE
+        env = dict(BASE)  # not what in-process vLLM imports added to os.environ
         if lib_path:
             env["LD_LIBRARY_PATH"] = lib_path + (os.pathsep + env["LD_LIBRARY_PATH"] if env.get("LD_LIBRARY_PATH")
                                                  else "")
