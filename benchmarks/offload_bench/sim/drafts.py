@@ -34,3 +34,18 @@ class DraftSampler:
             self.accepted += accepted
             sampled.append([7] * (1 + accepted))
         return req_ids, sampled
+
+
+class DraftCounts:
+    """For a driver holding a `DraftSampler` as `self.drafts`: its counts under the names the replay and the fuzz
+    read (`drafts_scheduled`, `drafts_accepted`)."""
+
+    drafts: DraftSampler
+
+    @property
+    def drafts_scheduled(self) -> int:
+        return self.drafts.scheduled
+
+    @property
+    def drafts_accepted(self) -> int:
+        return self.drafts.accepted

@@ -18,7 +18,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
-from offload_bench.sim.drafts import DraftSampler
+from offload_bench.sim.drafts import DraftCounts, DraftSampler
 from offload_bench.sim.tagcopy import TagCopier, build_worker
 
 
@@ -51,7 +51,7 @@ class DriveResult:
     history: list[StepRecord] = field(default_factory=list)
 
 
-class SchedulerDriver:
+class SchedulerDriver(DraftCounts):
     """Steps a real vLLM scheduler. With `engine` (the simulated copy backend; None for other connectors) our
     connector's real worker side runs over it: `worker`."""
 
@@ -214,14 +214,6 @@ class SchedulerDriver:
         if self.record:
             self.history.append(rec)
         return rec
-
-    @property
-    def drafts_scheduled(self) -> int:
-        return self.drafts.scheduled
-
-    @property
-    def drafts_accepted(self) -> int:
-        return self.drafts.accepted
 
     def _apply_oldest(self) -> None:
         from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput

@@ -27,7 +27,7 @@ from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import Of
 from vllm.v1.kv_offload.base import OffloadingWorker, TransferResult
 from vllm.v1.outputs import ModelRunnerOutput
 
-from offload_bench.sim.drafts import DraftSampler
+from offload_bench.sim.drafts import DraftCounts, DraftSampler
 
 __all__ = ["FakeOffloadingWorker", "VllmOffloadingWorkerSim", "VllmOffloadingDriver", "offloading_config"]
 
@@ -171,7 +171,7 @@ def sorted_transfer_ids(kv_out: Any) -> None:
             setattr(kv_out, name, sorted(ids))
 
 
-class VllmOffloadingDriver:
+class VllmOffloadingDriver(DraftCounts):
     """Steps a real vLLM scheduler whose connector is OffloadingConnector, with `VllmOffloadingWorkerSim`.
 
     Pipelining follows `SchedulerDriver`: with `batch_depth` 2 (async scheduling; EngineCore's batch queue) the next
@@ -211,14 +211,6 @@ class VllmOffloadingDriver:
         while self._queue and (len(self._queue) >= self.batch_depth or out.total_num_scheduled_tokens == 0):
             self._apply_oldest()
         return out
-
-    @property
-    def drafts_scheduled(self) -> int:
-        return self.drafts.scheduled
-
-    @property
-    def drafts_accepted(self) -> int:
-        return self.drafts.accepted
 
     def _apply_oldest(self) -> None:
         out, req_ids, sampled, kv_out = self._queue.popleft()
