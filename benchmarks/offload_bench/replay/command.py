@@ -624,6 +624,7 @@ def _run_and_report(args: argparse.Namespace, model: str, builders: list[tuple[s
     """Preflight (build every engine the replay will build), run, print the table and any stall dump, write the
     JSON (and the plot where the replay has one)."""
     from offload_bench.replay.pool_dump import format_dump
+    from offload_bench.replay.table import render_phases
 
     problem = preflight(builders, cfg)
     if problem is not None:
@@ -637,6 +638,10 @@ def _run_and_report(args: argparse.Namespace, model: str, builders: list[tuple[s
     print(header(out))
     print()
     print(render([r.result for r in out.runs]))
+    phases = render_phases([r.result for r in out.runs])
+    if phases:
+        print()
+        print(phases)
     for r in out.runs:
         if r.result.stall_dump is not None:
             print()

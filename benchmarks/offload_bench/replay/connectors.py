@@ -152,7 +152,7 @@ class ReplayEngine:
             return res
 
         def observed_alloc(request: Any, blocks: Any, num_external_tokens: int) -> Any:
-            rec.loaded_tokens += num_external_tokens
+            rec.on_loaded(request.request_id, num_external_tokens)
             return alloc(request, blocks, num_external_tokens)
 
         self.conn.get_num_new_matched_tokens = observed_lookup
@@ -198,8 +198,8 @@ class ReplayEngine:
         return resident
 
     # ------------------------------------------------------------------ stepping
-    def add(self, request: Any) -> None:
-        self.recorder.on_arrival(request, self.clock.now)
+    def add(self, request: Any, phase: str = "") -> None:
+        self.recorder.on_arrival(request, self.clock.now, phase)
         self.driver.add([request])
 
     def busy(self) -> bool:

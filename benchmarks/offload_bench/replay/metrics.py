@@ -15,6 +15,10 @@ Recompute accounting, per request (prompt length P):
   but not delivered. It counts a prefix even when the tier lacks the sliding windows needed to resume there;
 - `recomputed_restorable` = the same with the connector's own restorable hit (windows included) instead: what it
   could have loaded but recomputed (deferral fallbacks, loads vLLM refused).
+
+The same figures per phase of the workload (`per_phase`: the built-in workloads tag every request with one, e.g.
+`rag` and `rag-followup`; a trace file's string field `phase`, else its `session`/`turn` fields): a connector that
+wins overall can lose on one kind of request (a follow-up whose previous turn it evicted), and the totals hide that.
 """
 
 from __future__ import annotations
@@ -48,6 +52,8 @@ class _Req:
     finished: float | None = None
     outputs: int = 0
     hashed: int = 0  # leading block hashes of this request already in Recorder.ever
+    phase: str = ""
+    loaded: int = 0  # tokens the connector loaded for it
 
 
 @dataclass(frozen=True)
@@ -81,9 +87,16 @@ class ConnectorResult:
     wall_seconds: float  # the replay loop on this machine (scheduler build excluded)
     stall_dump: dict[str, Any] | None = None
     extra: dict[str, Any] = field(default_factory=dict)
+    # phase -> requests, prompt_tokens, reusable_tokens, loaded_tokens, recomputed_tokens, ttft_p50_s, ttft_p95_s
+    per_phase: dict[str, dict[str, Any]] = field(default_factory=dict)
 
     def to_json(self) -> dict[str, Any]:
         return asdict(self)
+
+
+MAX_PHASES = 32  # distinct phase labels kept; later ones are counted under OTHER_PHASE (a trace can hold a million)
+OTHER_PHASE = "(other)"
+MAX_PHASE_CHARS = 40
 
 
 class Recorder:
@@ -94,6 +107,7 @@ class Recorder:
         self.group_names = group_names
         self.usable = max(1, usable_blocks)
         self.reqs: dict[str, _Req] = {}
+        self.phases: set[str] = set()
         self.ever: set[Any] = set()  # hash-block hashes some request has computed
         self.deferrals = 0
         self.loaded_tokens = 0
@@ -106,14 +120,29 @@ class Recorder:
         self.plot: dict[str, list[float]] = {"t": [], "used": [], "running": [], "waiting": []}
 
     # ---------------------------------------------------------------- requests
-    def on_arrival(self, request: Any, t: float) -> None:
+    def on_arrival(self, request: Any, t: float, phase: str = "") -> None:
         n = 0
         for h in request.block_hashes:
             if h not in self.ever:
                 break
             n += 1
         reusable = min(n * self.hbs, request.num_prompt_tokens - 1)
-        self.reqs[request.request_id] = _Req(t, request.num_prompt_tokens, reusable)
+        self.reqs[request.request_id] = _Req(t, request.num_prompt_tokens, reusable, phase=self._phase_label(phase))
+
+    def _phase_label(self, phase: str) -> str:
+        phase = phase[:MAX_PHASE_CHARS]
+        if not phase or phase in self.phases:
+            return phase
+        if len(self.phases) >= MAX_PHASES:
+            return OTHER_PHASE
+        self.phases.add(phase)
+        return phase
+
+    def on_loaded(self, request_id: str, tokens: int) -> None:
+        self.loaded_tokens += tokens
+        r = self.reqs.get(request_id)
+        if r is not None:
+            r.loaded += tokens
 
     def wants_lookup(self, request_id: str) -> bool:
         r = self.reqs.get(request_id)
@@ -197,7 +226,7 @@ class Recorder:
             computed += r.prefill_computed
             if r.first_hit is None:
                 continue
-            recomputed += max(0, r.prefill_computed - (r.prompt - r.reusable))
+            recomputed += _recomputed(r)
             in_cpu += max(0, min(max(r.resident, r.cpu_prefix), r.reusable) - r.first_hit)
             restorable += max(0, min(r.cpu_prefix, r.reusable) - r.first_hit)
         per_group = {name: {"mean": _mean(v), "p95": percentile(v, 95) or 0.0}
@@ -209,13 +238,35 @@ class Recorder:
             tokens_loaded_from_cpu=self.loaded_tokens, tokens_recomputed=recomputed,
             recomputed_tokens_in_cpu=in_cpu, recomputed_restorable=restorable, prompt_tokens_computed=computed,
             gpu_pool_util_mean=_mean(self.used), gpu_pool_util_p95=percentile(self.used, 95) or 0.0,
-            gpu_pool_util_per_group=per_group, admission_deferrals=self.deferrals)
+            gpu_pool_util_per_group=per_group, admission_deferrals=self.deferrals, per_phase=self.per_phase())
+
+    def per_phase(self) -> dict[str, dict[str, Any]]:
+        """The request figures per phase; empty when no request has one."""
+        groups: dict[str, list[_Req]] = {}
+        for r in self.reqs.values():
+            groups.setdefault(r.phase, []).append(r)
+        if set(groups) <= {""}:
+            return {}
+        out = {}
+        for phase in sorted(groups):
+            rs = groups[phase]
+            ttft = [r.first_token - r.arrival for r in rs if r.first_token is not None]
+            out[phase or "(none)"] = dict(
+                requests=len(rs), prompt_tokens=sum(r.prompt for r in rs),
+                reusable_tokens=sum(r.reusable for r in rs), loaded_tokens=sum(r.loaded for r in rs),
+                recomputed_tokens=sum(_recomputed(r) for r in rs if r.first_hit is not None),
+                ttft_p50_s=percentile(ttft, 50), ttft_p95_s=percentile(ttft, 95))
+        return out
 
     def series(self) -> dict[str, list[float]]:
         """The pool-use trace, plus every request's time to first token (seconds, arrival order) for the TTFT CDF."""
         ttft = [r.first_token - r.arrival for r in sorted(self.reqs.values(), key=lambda r: r.arrival)
                 if r.first_token is not None]
         return {**self.plot, "ttft": ttft}
+
+
+def _recomputed(r: _Req) -> int:
+    return max(0, r.prefill_computed - (r.prompt - r.reusable))
 
 
 def _mean(v: list[float]) -> float:

@@ -29,7 +29,7 @@ from typing import Any, Callable, Sequence
 from offload_bench.replay.command import MAX_ENGINES
 from offload_bench.replay.connectors import EngineSettings, ReplayEngine
 from offload_bench.replay.metrics import ConnectorResult, Recorder
-from offload_bench.replay.runner import RunOutput, phase_marks, result_from_summary, select
+from offload_bench.replay.runner import RunOutput, phase_marks, record_phase, result_from_summary, select
 from offload_bench.replay.timemodel import SimClock, TimeModel
 from offload_bench.replay.trace import PromptBuilder, TraceRecord, clip_to_model
 from offload_bench.replay.workloads import Workload
@@ -154,7 +154,7 @@ def run_column(column: str, records: Sequence[TraceRecord], cfg: RouterConfig,
             _, rid, rec = e.arrivals[e.next]
             c = clip_to_model(rec, cfg.max_model_len)
             toks = prompts.build(rec, c.input_length, c.output_length)
-            e.eng.add(make_request(rid, toks, c.output_length, e.eng.sim.hash_block_size))
+            e.eng.add(make_request(rid, toks, c.output_length, e.eng.sim.hash_block_size), record_phase(rec))
             e.next += 1
 
     def when(e: RouterEngine) -> float:

@@ -95,7 +95,7 @@ def run_connector(kind: str, records: Sequence[TraceRecord], cfg: ReplayConfig,
             t_arr, rec = arrivals[nxt]
             c = clip_to_model(rec, cfg.max_model_len)
             toks = prompts.build(rec, c.input_length, c.output_length)
-            eng.add(make_request(f"r{nxt}", toks, c.output_length, eng.sim.hash_block_size))
+            eng.add(make_request(f"r{nxt}", toks, c.output_length, eng.sim.hash_block_size), record_phase(rec))
             nxt += 1
         if not eng.busy():
             if nxt >= total:
@@ -163,7 +163,8 @@ def result_from_summary(connector: str, s: dict[str, Any], *, total: int, simula
         cpu_tier_bytes=tier_bytes, cpu_tier_cached_tokens=tier_tokens,
         cpu_tier_bytes_per_cached_token=(tier_bytes / tier_tokens) if tier_bytes and tier_tokens else None,
         transfer_bytes_loaded=loaded_bytes, transfer_bytes_stored=stored_bytes,
-        stopped_reason=reason, wall_seconds=round(wall, 1), stall_dump=stall_dump, extra=extra)
+        stopped_reason=reason, wall_seconds=round(wall, 1), stall_dump=stall_dump, extra=extra,
+        per_phase=s.get("per_phase") or {})
 
 
 def _spec_outcomes(eng: ReplayEngine) -> dict[str, int]:
@@ -194,6 +195,18 @@ def run_replay(workload: Workload, cfg: ReplayConfig, progress: Progress | None 
     for kind in cfg.connectors:
         out.runs.append(run_connector(kind, records, cfg, progress))
     return out
+
+
+def record_phase(rec: TraceRecord) -> str:
+    """The label a request's figures are grouped under: the record's string `phase` (every built-in workload sets
+    one), else whether it is the first turn of a session or a later one (trace files with `session`/`turn`), else
+    none."""
+    phase = rec.get("phase")
+    if isinstance(phase, str) and phase:
+        return phase
+    if rec.session is not None:
+        return "later turn" if rec.turn else "first turn"
+    return ""
 
 
 def phase_marks(records: Sequence[TraceRecord], time_scale: float) -> list[tuple[float, str]]:

@@ -86,6 +86,32 @@ def render(results: list[ConnectorResult], spec: list[tuple[str, Callable[[Conne
     return "\n".join(lines)
 
 
+def render_phases(results: list[ConnectorResult]) -> str:
+    """Per phase of the workload, one column per connector: prompt tokens loaded by the connector / recomputed /
+    TTFT p50 / p95. Empty when the requests carry no phase."""
+    phases = sorted({p for r in results for p in r.per_phase})
+    if not phases:
+        return ""
+    head = ["phase", "requests"] + [r.connector for r in results]
+    rows = [head]
+    for phase in phases:
+        counts = {r.per_phase[phase]["requests"] for r in results if phase in r.per_phase}
+        cells = []
+        for r in results:
+            f = r.per_phase.get(phase)
+            cells.append("-" if f is None else
+                         f"{f['loaded_tokens']:,} / {f['recomputed_tokens']:,} / {_f('.3f')(f['ttft_p50_s'])} / "
+                         f"{_f('.3f')(f['ttft_p95_s'])}")
+        rows.append([phase, "/".join(f"{c:,}" for c in sorted(counts))] + cells)
+    widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
+    lines = ["per phase: prompt tokens loaded by the connector / tokens recomputed / TTFT p50 s / TTFT p95 s"]
+    for n, row in enumerate(rows):
+        lines.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))))
+        if n == 0:
+            lines.append("  ".join("-" * w for w in widths))
+    return "\n".join(lines)
+
+
 def header(out: Any) -> str:
     cfg = out.config
     tm = cfg.time_model
