@@ -77,13 +77,18 @@ def render(results: list[ConnectorResult], spec: list[tuple[str, Callable[[Conne
             "-" if g not in r.gpu_pool_util_per_group else
             f"{_pct(r.gpu_pool_util_per_group[g]['mean'])}/{_pct(r.gpu_pool_util_per_group[g]['p95'])}"
             for r in results])
-    widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
+    return "\n".join(_grid(rows))
+
+
+def _grid(rows: list[list[str]]) -> list[str]:
+    """Rows as aligned text lines (first column left, the rest right), a rule under the first row."""
+    widths = [max(len(row[i]) for row in rows) for i in range(len(rows[0]))]
     lines = []
     for n, row in enumerate(rows):
         lines.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))))
         if n == 0:
             lines.append("  ".join("-" * w for w in widths))
-    return "\n".join(lines)
+    return lines
 
 
 def render_phases(results: list[ConnectorResult]) -> str:
@@ -103,13 +108,8 @@ def render_phases(results: list[ConnectorResult]) -> str:
                          f"{f['loaded_tokens']:,} / {f['recomputed_tokens']:,} / {_f('.3f')(f['ttft_p50_s'])} / "
                          f"{_f('.3f')(f['ttft_p95_s'])}")
         rows.append([phase, "/".join(f"{c:,}" for c in sorted(counts))] + cells)
-    widths = [max(len(row[i]) for row in rows) for i in range(len(head))]
-    lines = ["per phase: prompt tokens loaded by the connector / tokens recomputed / TTFT p50 s / TTFT p95 s"]
-    for n, row in enumerate(rows):
-        lines.append("  ".join(c.ljust(w) if i == 0 else c.rjust(w) for i, (c, w) in enumerate(zip(row, widths))))
-        if n == 0:
-            lines.append("  ".join("-" * w for w in widths))
-    return "\n".join(lines)
+    return "\n".join(["per phase: prompt tokens loaded by the connector / tokens recomputed / TTFT p50 s / TTFT p95 s",
+                      *_grid(rows)])
 
 
 def header(out: Any) -> str:
