@@ -145,6 +145,7 @@ class AdmissionControl:
         verdict = ledger.decide(plan, kv.pool.get_num_free_blocks(), kv.watermark,
                                 self._reserved_by_others(request.request_id), self.layout.num_blocks - 1)
         if verdict is ledger.Verdict.ADMIT and self._held_for_older(request, local, hit, step, plan.total):
+            self._keep_warm(request, local, hit)
             return None, False
         if verdict is ledger.Verdict.ADMIT:
             self.fair.clear(request.request_id)
@@ -167,6 +168,7 @@ class AdmissionControl:
                 return 0, False
             self.counters.deferrals += 1
             self.stats.record_deferral("pool_full")
+            self._keep_warm(request, local, hit)
             if self.config.admission_policy == "fair":
                 self.fair.defer(request, step, sum(plan.now), plan.total)
             return None, False
@@ -180,6 +182,17 @@ class AdmissionControl:
         self.stats.record_deferral("too_big")
         state.no_load = True
         return 0, False
+
+    def _keep_warm(self, request: Any, local: int, hit: int) -> None:
+        """Touch the tier entries of a load that is waiting for room, every step it waits.
+
+        It waits for exactly these blocks; left to age like any other entry, the stores of the requests that run
+        meanwhile evict them, and the load shrinks or is lost before it gets its room. Measured on the decode-heavy
+        replay (Gemma 4 31B, seed 2): returning sessions waited about 500 steps behind long decoders and their
+        prefixes went from 9,952-11,968 tokens to the 1,024-token system prompt, so they were recomputed; touched,
+        they are loaded whole (recompute 0.76x the patched vLLM's instead of 0.94x, TTFT p50 0.42x instead of 1.03x).
+        """
+        self.tier.touch([key for _, _, key in self.load_keys(request, local, hit)])
 
     def _held_for_older(self, request: Any, local: int, hit: int, step: int, need: int | None = None) -> bool:
         """Whether `request` must wait so that an older deferred load keeps the room it is waiting for.
