@@ -77,6 +77,12 @@ def test_phase_labels_are_bounded_in_number_and_length() -> None:
     assert sum(f["requests"] for f in rec.per_phase().values()) == MAX_PHASES + 5
 
 
+def test_phase_labels_from_a_file_cannot_break_the_terminal_table() -> None:
+    rec = Recorder(512, ["g0"], 100)
+    rec.on_arrival(SimpleNamespace(request_id="r0", block_hashes=[], num_prompt_tokens=10), 0.0, "a\nb\x1b[2Jc")
+    assert list(rec.per_phase()) == ["a?b?[2Jc"]
+
+
 def test_no_phase_no_section() -> None:
     rec = Recorder(512, ["g0"], 100)
     rec.on_arrival(SimpleNamespace(request_id="r0", block_hashes=[], num_prompt_tokens=10), 0.0)

@@ -130,7 +130,8 @@ class Recorder:
         self.reqs[request.request_id] = _Req(t, request.num_prompt_tokens, reusable, phase=self._phase_label(phase))
 
     def _phase_label(self, phase: str) -> str:
-        phase = phase[:MAX_PHASE_CHARS]
+        # A trace file's label goes to the terminal: no control characters, no line breaks.
+        phase = "".join(c if c.isprintable() else "?" for c in phase[:MAX_PHASE_CHARS])
         if not phase or phase in self.phases:
             return phase
         if len(self.phases) >= MAX_PHASES:
