@@ -11,38 +11,14 @@ fraction of it or nothing: the second test runs the same scene with the touches 
 import pytest
 
 from offload_connector.scheduler.admission import AdmissionControl
-from offload_bench.sim.custom import build_custom
-from offload_bench.sim.driver import SchedulerDriver
-from offload_bench.sim.requests import make_request, tokens
 from offload_bench.sim.scenarios import connector_config
-from offload_bench.sim.tagcopy import TagCopier
-
-GROUPS = (("full", 16, 0), ("sliding", 16, 128))
-PREFIX = 4000
+from tests.decoder_scene import PREFIX, build, run
 
 
 def _scene(cpu_slots: int) -> dict:
-    probe, _ = build_custom(GROUPS, num_blocks=600, max_num_batched_tokens=512, max_model_len=8192,
-                            kv_transfer_config=connector_config("exact", 1 << 32))
+    probe, _ = build(connector_config("exact", 1 << 32))
     slot_bytes = probe.get_kv_connector().scheduler_side.slot_bytes
-    sched, hbs = build_custom(GROUPS, num_blocks=600, max_num_batched_tokens=512, max_model_len=8192,
-                              kv_transfer_config=connector_config("exact", cpu_slots * slot_bytes))
-    drv = SchedulerDriver(sched, TagCopier(1))
-    prefix = tokens(1, PREFIX)
-    drv.add([make_request("warm", prefix, 1, hbs)])
-    assert not drv.run().stalled
-    sched.reset_prefix_cache()
-    drv.add([make_request(f"dec{i}", tokens(10 + i, 1500), 600 + 40 * i, hbs) for i in range(4)])
-    for _ in range(20):
-        drv.step()
-    drv.add([make_request("ret", prefix + tokens(2, 60), 4, hbs)])
-    n = 0
-    while drv.busy() and drv.step_no < 6000:
-        if drv.step_no % 3 == 0 and n < 600:
-            drv.add([make_request(f"small{n}", tokens(100 + n, 100), 8, hbs)])
-            n += 1
-        rec = drv.step()
-        assert not (rec.idle_while_waiting and not drv.busy())
+    drv, _ = run(connector_config("exact", cpu_slots * slot_bytes))
     side = drv.side
     loads = [a for a in side.admissions if a.request_id == "ret" and a.free_after is not None]
     return {"hit": loads[0].plan.hit_tokens if loads else 0, "deferrals": side.counters.deferrals,

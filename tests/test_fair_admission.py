@@ -9,41 +9,12 @@ admission every block that frees up goes to the small requests behind it and the
 
 import pytest
 
-from offload_bench.sim.custom import build_custom
-from offload_bench.sim.driver import SchedulerDriver
-from offload_bench.sim.requests import make_request, tokens
 from offload_bench.sim.scenarios import connector_config
-from offload_bench.sim.tagcopy import TagCopier
-
-GROUPS = (("full", 16, 0), ("sliding", 16, 128))
-PREFIX = 4000
+from tests.decoder_scene import run
 
 
-def _scene(policy: str, **extra) -> tuple[SchedulerDriver, dict]:
-    sched, hbs = build_custom(GROUPS, num_blocks=600, max_num_batched_tokens=512, max_model_len=8192,
-                              kv_transfer_config=connector_config("exact", 1 << 32, admission_policy=policy,
-                                                                  **extra))
-    drv = SchedulerDriver(sched, TagCopier(1))
-    prefix = tokens(1, PREFIX)
-    drv.add([make_request("warm", prefix, 1, hbs)])
-    assert not drv.run().stalled
-    sched.reset_prefix_cache()
-    # Four decoders hold most of the pool for a few hundred steps.
-    drv.add([make_request(f"dec{i}", tokens(10 + i, 1500), 600 + 40 * i, hbs) for i in range(4)])
-    for _ in range(20):
-        drv.step()
-    drv.add([make_request("ret", prefix + tokens(2, 60), 4, hbs)])
-    first_token = None
-    n = 0
-    while drv.busy() and drv.step_no < 6000:
-        if drv.step_no % 3 == 0 and n < 600:  # small requests keep arriving behind the returning one
-            drv.add([make_request(f"small{n}", tokens(100 + n, 100), 8, hbs)])
-            n += 1
-        rec = drv.step()
-        assert not (rec.idle_while_waiting and not drv.busy())
-        req = drv.sched.requests.get("ret")
-        if first_token is None and (req is None or req.num_output_tokens > 0):
-            first_token = drv.step_no
+def _scene(policy: str, **extra) -> tuple:
+    drv, first_token = run(connector_config("exact", 1 << 32, admission_policy=policy, **extra))
     c = drv.side.counters
     ret_loaded = any(a.request_id == "ret" and a.free_after is not None for a in drv.side.admissions)
     return drv, {"ret_loaded": ret_loaded, "aged_out": c.deferral_timeouts, "held": c.held_for_older,
