@@ -54,8 +54,8 @@ def test_decode_never_re_stores_window_blocks_the_tier_evicted():
     reservations: Counter = Counter()
     begin = side.tier.begin_store
 
-    def counting(keys):
-        out = begin(keys)
+    def counting(keys, **kwargs):
+        out = begin(keys, **kwargs)
         reservations.update(key for key, _slot in out)
         return out
 

@@ -97,6 +97,8 @@ class AdmissionControl:
                 hit = longest_hit(layout.groups, keys, self.tier.is_ready, upper, layout.alignment, full_tokens=full)
         junction = full - full % layout.alignment
         state = self.requests.get(request.request_id)
+        if state is not None and state.unshared is None:
+            state.unshared = max(full, hit, local) == 0
         if junction > hit and state is not None and layout.has_full and layout.has_recycling:
             state.junctions.add(junction)
         return hit

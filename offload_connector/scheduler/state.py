@@ -75,6 +75,9 @@ class ReqState:
     finished: bool = False
     offered_hit: int = 0  # the hit (local + external) last offered to vLLM
     counted_hit: bool = False  # its CPU hit is in counters.cpu_hit_tokens
+    # At its first lookup the prompt shared no prefix with the GPU prefix cache or a tier (None: not looked up yet).
+    # Its stores say so to the eviction policy (`EvictionPolicy.unshared`).
+    unshared: bool | None = None
 
 
 @dataclass

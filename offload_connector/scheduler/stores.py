@@ -101,7 +101,7 @@ class StorePlanner:
         if not keylist:
             return
         groups_, gpu, keylist, ends = in_prefix_order(positions, groups_, gpu, keylist, positions)
-        reserved = dict(self.tier.begin_store(keylist))
+        reserved = dict(self.tier.begin_store(keylist, unshared=bool(state.unshared)))
         if not reserved:
             return
         sel = [i for i, k in enumerate(keylist) if k in reserved]

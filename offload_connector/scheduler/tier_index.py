@@ -142,15 +142,19 @@ class TierIndex:
         return 0 if entry is None else entry.pins
 
     # ----------------------------------------------------------------- stores
-    def begin_store(self, keys: Iterable[Key]) -> list[tuple[Key, int]]:
+    def begin_store(self, keys: Iterable[Key], unshared: bool = False) -> list[tuple[Key, int]]:
         """Reserve slots for new entries, evicting idle ready entries (the policy's victims) as needed.
 
-        Keys already present are skipped. Stops at the first key that cannot get a slot: the keys come in prefix
+        `unshared`: the storing request shared no prefix with anything cached when it arrived; a policy with an
+        `unshared(key)` method hears it for each new entry (`EvictionPolicy.unshared`). Keys already present are
+        skipped. Stops at the first key that cannot get a slot: the keys come in prefix
         order and a prefix with a hole in it is useless to a later request. Returns (key, slot) for each key
         reserved; those entries stay pinned and unreadable until `finish_store`.
         """
         reserved: list[tuple[Key, int]] = []
         again: list[Key] = []
+        # Optional in a policy named by module path: one written before the hint existed has no such method.
+        hint = getattr(self.policy, "unshared", None) if unshared else None
         for key in keys:
             entry = self._entries.get(key)
             if entry is not None:
@@ -165,6 +169,8 @@ class TierIndex:
             self._entries[key] = _Entry(slot=slot, nbytes=nbytes)
             self._used_bytes += nbytes
             self.policy.stored(key)
+            if hint is not None:
+                hint(key)
             reserved.append((key, slot))
         for key in reversed(again):  # tail first, like every other recency update
             self.policy.reoffered(key)

@@ -2,7 +2,8 @@
 
 The interface is `base.EvictionPolicy` (its module docstring says when `TierIndex` calls each method). Built in:
 `"lru"` (least recently released or touched first), `"slru"` (segmented LRU: entries that served a load are evicted
-after every entry that never did; that protected segment holds at most `protected_share` of the slots) and `"arc"`
+after every entry that never did; that protected segment holds at most `protected_share` of the slots; probation
+weighs the entries of requests that shared nothing against the rest by ghost hits) and `"arc"`
 (Adaptive Replacement Cache adapted to the tier). Any other class is named by module path,
 `"my_pkg.my_mod:MyPolicy"`, and constructed as `MyPolicy(capacity_slots)`; `check_policy_spec` imports and checks
 it at start-up.

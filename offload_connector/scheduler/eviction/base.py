@@ -4,6 +4,9 @@ The tier keeps the facts (which entries exist, which are readable, how many jobs
 order. `TierIndex` calls a policy at these points, and only there:
 
 * `stored(key)`: a new entry was created for a store (pinned, not readable yet, not evictable).
+* `unshared(key)`: right after `stored(key)`, when the request storing it shared no prefix with anything cached (GPU
+  prefix cache or any tier) when it arrived: one-shot traffic, or the first turn of a conversation. Optional (not in
+  `POLICY_METHODS`); `slru` weighs such entries by how often their requests come back.
 * `release(key)`: the entry became evictable: readable and no job pins it (its store landed, or its last load did).
   A prefix is released tail first, so its head is the most recent.
 * `pin(key)`: the entry stopped being evictable (a load pins it).
@@ -46,6 +49,9 @@ class EvictionPolicy:
         self.capacity_slots = capacity_slots
 
     def stored(self, key: Key) -> None:
+        pass
+
+    def unshared(self, key: Key) -> None:
         pass
 
     def release(self, key: Key) -> None:
