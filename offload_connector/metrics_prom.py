@@ -69,6 +69,9 @@ _GAUGES: dict[str, tuple[str, str]] = {
     m.TIER_CAPACITY: ("cpu_tier_capacity_blocks", "CPU-tier slots in all."),
     m.DEFERRED_REQUESTS: ("deferred_requests", "Requests whose load from the CPU tier is deferred right now."),
     m.STALLED: ("stalled", "1 while the watchdog sees the engine stalled (see stalls_total), else 0."),
+    m.EVICTION_BIAS: ("cpu_tier_eviction_bias", "slru's probation bias (0 under lru and arc): ln of how much faster "
+                                                "entries stored by requests that shared no prefix age than the "
+                                                "others; above 0, one-shot prompts are evicted first."),
     m.DISK_USED: ("disk_tier_used_blocks", "Disk-tier slots in use, per worker (every worker holds the same keys)."),
     m.DISK_CAPACITY: ("disk_tier_capacity_blocks", "Disk-tier slots in all, per worker."),
 }

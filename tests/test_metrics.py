@@ -158,7 +158,7 @@ def test_sink_evictions_delta_and_gauges_sent_only_on_change() -> None:
     sink.record_deferred_requests(1)
     s = sink.take()
     assert s is not None and s.data[m.COUNTERS] == {}
-    assert s.data[m.GAUGES] == {m.TIER_USED: 5, m.TIER_CAPACITY: 10, m.DEFERRED_REQUESTS: 1}
+    assert s.data[m.GAUGES] == {m.TIER_USED: 5, m.TIER_CAPACITY: 10, m.DEFERRED_REQUESTS: 1, m.EVICTION_BIAS: 0.0}
     sink.record_tier(5, 10, 0)
     sink.record_deferred_requests(1)
     assert sink.take() is None  # nothing changed: an idle engine sends nothing
@@ -166,7 +166,8 @@ def test_sink_evictions_delta_and_gauges_sent_only_on_change() -> None:
     sink.record_tier(10, 10, 7)  # cumulative: called twice in one step, counted once
     s = sink.take()
     assert s.data[m.COUNTERS] == {m.EVICTIONS: 7}
-    assert s.data[m.GAUGES] == {m.TIER_USED: 10, m.TIER_CAPACITY: 10, m.DEFERRED_REQUESTS: 1}  # sent as a set
+    assert s.data[m.GAUGES] == {m.TIER_USED: 10, m.TIER_CAPACITY: 10, m.DEFERRED_REQUESTS: 1,
+                                m.EVICTION_BIAS: 0.0}  # sent as a set
     sink.record_tier(1, 10, 2)  # the tier was rebuilt (reset): its count restarts
     assert sink.take().data[m.COUNTERS] == {m.EVICTIONS: 2}
 
@@ -396,3 +397,19 @@ def test_store_rejections_are_counted_as_deltas_of_the_tier_total():
     assert sink.take().data[m.COUNTERS][m.STORE_REJECTIONS] == 3
     sink.record_tier(4, 4, evictions_total=0, store_rejections_total=5)
     assert sink.take().data[m.COUNTERS] == {m.STORE_REJECTIONS: 2}
+
+
+def test_eviction_bias_is_a_gauge_sent_when_it_moves_and_exported():
+    sink = m.OffloadStatsSink()
+    sink.record_tier(4, 8, evictions_total=0, eviction_bias=1.234567)
+    assert sink.take().data[m.GAUGES][m.EVICTION_BIAS] == 1.235  # four significant digits
+    sink.record_tier(4, 8, evictions_total=0, eviction_bias=1.234567)
+    assert sink.take() is None
+    sink.record_tier(4, 8, evictions_total=0, eviction_bias=-0.5)
+    stats = sink.take()
+    assert stats.data[m.GAUGES][m.EVICTION_BIAS] == -0.5
+    reg = CollectorRegistry()
+    prom = build_prom_metrics(_cfg(), _fresh_types(reg), LABELNAMES, {0: ["m", "0"]})
+    prom.observe(stats.to_dict(), engine_idx=0)
+    assert _samples(reg)[("vllm:offload_connector_cpu_tier_eviction_bias", (("engine", "0"), ("model_name", "m")))] \
+        == -0.5

@@ -211,3 +211,7 @@ def test_the_scheduler_marks_the_stores_of_requests_that_shared_nothing():
     keys_b = side.layout.keys(b)
     b_own = {keys_b(full.index, i) for i in range(512 // full.block_size, 812 // full.block_size)}
     assert b_own and b_own <= set(policy._probation[False])
+    # The scheduler side reports the policy's bias as a gauge each step.
+    from offload_connector import metrics as m
+    policy.bias = 1.5
+    assert side.take_stats().data[m.GAUGES][m.EVICTION_BIAS] == 1.5

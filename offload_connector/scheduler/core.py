@@ -261,8 +261,9 @@ class OffloadScheduler:
     def take_stats(self) -> OffloadStats | None:
         """This step's scheduler-side metrics (deferrals, tier usage, evictions), for `get_kv_connector_stats`."""
         # Called every step: only O(1) tier facts here (TierIndex.stats() walks every entry).
+        bias = getattr(self.tier.policy, "bias", 0.0)
         self.stats.record_tier(self.tier.used_slots(), self.tier.capacity_slots, self.tier.evictions,
-                               self.tier.store_rejections)
+                               self.tier.store_rejections, bias if isinstance(bias, (int, float)) else 0.0)
         self.stats.record_deferred_requests(
             sum(1 for s in self._requests.values() if s.deferred_since is not None))
         if self.remote is not None:
