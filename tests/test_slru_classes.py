@@ -215,3 +215,19 @@ def test_the_scheduler_marks_the_stores_of_requests_that_shared_nothing():
     from offload_connector import metrics as m
     policy.bias = 1.5
     assert side.take_stats().data[m.GAUGES][m.EVICTION_BIAS] == 1.5
+
+
+def test_a_layout_without_full_attention_still_tells_unshared_requests():
+    """Only sliding-window groups: the full-attention prefix means nothing there, so the hit and vLLM's prefix cache
+    decide (a first request is unshared, one resuming from its prefix is not)."""
+    sched, hbs = build_custom((("sliding", 16, 128),), num_blocks=400, max_num_batched_tokens=256,
+                              max_model_len=4096, kv_transfer_config=connector_config("exact", 1 << 30))
+    drv = SchedulerDriver(sched, TagCopier(1))
+    first = tokens(3, 600)
+    drv.add([make_request("a", first, 2, hbs)])
+    assert not drv.run().stalled
+    policy = drv.side.tier.policy
+    assert policy._probation[True] and not policy._probation[False]
+    drv.add([make_request("b", first[:512] + tokens(4, 200), 2, hbs)])
+    assert not drv.run().stalled
+    assert policy._probation[False]

@@ -98,7 +98,8 @@ class AdmissionControl:
         junction = full - full % layout.alignment
         state = self.requests.get(request.request_id)
         if state is not None and state.unshared is None:
-            state.unshared = max(full, hit, local) == 0
+            # `full` is the whole prompt when no group is full attention: then only the hit and the GPU prefix tell.
+            state.unshared = max(full if layout.has_full else 0, hit, local) == 0
         if junction > hit and state is not None and layout.has_full and layout.has_recycling:
             state.junctions.add(junction)
         return hit

@@ -25,7 +25,7 @@ class SegmentedLRUPolicy(EvictionPolicy):
 
     Probation is two LRU lists: entries stored by a request that shared no prefix with anything cached when it
     arrived (`unshared`: one-shot filler, or the first turn of a conversation without a common prefix) and all
-    others. An entry is evicted when its age (releases and touches since it was last released or touched) weighted
+    others. An entry is evicted when its age (probation releases and touches since its own last one) weighted
     by its class is the largest: `exp(+bias/2)` for unshared entries, `exp(-bias/2)` for the others. The bias starts
     at 0, which is one LRU over probation, and moves by the evidence of ghosts, the keys of entries evicted from
     probation (at most `capacity_slots` per class): a store of a key that was evicted as unshared (its request came
