@@ -35,8 +35,8 @@ def victims(tier, n, tag):
 
 
 def test_without_ghost_hits_probation_is_one_lru_over_both_classes():
-    """Bias 0: random stores (either class), touches, loads and re-offers give the same victims as `adaptive=False`,
-    and `evictable_keys` lists them in the order they are taken."""
+    """Bias 0: random stores (either class), touches, loads and re-offers give the same victims and the same
+    `evictable_keys` as `adaptive=False`."""
     for seed in range(20):
         rng = random.Random(seed)
         tiers = [TierIndex(40, [1], policy=SegmentedLRUPolicy(40, adaptive=a)) for a in (True, False)]
@@ -122,7 +122,7 @@ def test_a_reoffered_or_loaded_unshared_entry_becomes_shared():
 
 def test_the_follow_up_tail_outlives_one_shot_filler_once_shared_content_comes_back():
     """The RAG shape: a query's short tail (shared class) and a stream of one-shot filler (unshared) through a tier
-    that holds about a minute of it. Some shared content is evicted and stored again (queries recomputing what the
+    that holds a few rounds of it. Some shared content is evicted and stored again (queries recomputing what the
     tier lost): its ghosts raise the bias and the tail survives the filler; one LRU (adaptive=False) loses it."""
     def run(adaptive):
         tier = TierIndex(200, [1], policy=SegmentedLRUPolicy(200, adaptive=adaptive))
