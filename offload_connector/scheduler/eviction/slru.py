@@ -70,7 +70,9 @@ class SegmentedLRUPolicy(EvictionPolicy):
         if not self.adaptive:
             return
         for cls, sign in ((True, -1.0), (False, 1.0)):
-            if self._ghosts[cls].pop(key, False) is None:
+            ghosts = self._ghosts[cls]
+            if key in ghosts:
+                del ghosts[key]
                 self.bias = max(-self.max_bias, min(self.max_bias, self.bias + sign * self.ghost_step))
                 return
 
@@ -88,8 +90,7 @@ class SegmentedLRUPolicy(EvictionPolicy):
             self._to_probation(old)
 
     def pin(self, key: Key) -> None:
-        for segment in self._probation.values():
-            segment.pop(key, None)
+        self._probation[key in self._unshared].pop(key, None)
         self._protected.pop(key, None)
 
     def loaded(self, key: Key) -> None:
@@ -97,19 +98,19 @@ class SegmentedLRUPolicy(EvictionPolicy):
         self._unshared.discard(key)
 
     def touch(self, key: Key) -> None:
+        segment = self._probation[key in self._unshared]
         if key in self._protected:
             self._protected.move_to_end(key)
-        else:
-            for segment in self._probation.values():
-                if key in segment:
-                    segment.pop(key)
-                    self._to_probation(key)
+        elif key in segment:
+            del segment[key]
+            self._to_probation(key)
 
     def reoffered(self, key: Key) -> None:
         # Another request computed or found this block: whoever stored it, it is shared now.
         if key in self._unshared:
             self._unshared.discard(key)
-            if self._probation[True].pop(key, None) is not None:
+            if key in self._probation[True]:
+                del self._probation[True][key]
                 self._to_probation(key)
         if not self.reuse_on_store:
             if self.touch_on_reoffer:
@@ -150,7 +151,7 @@ class SegmentedLRUPolicy(EvictionPolicy):
         self._unshared.clear()
 
     def is_evictable(self, key: Key) -> bool:
-        return key in self._probation[False] or key in self._probation[True] or key in self._protected
+        return key in self._probation[key in self._unshared] or key in self._protected
 
     def evictable_keys(self) -> list[Key]:
         """Probation in victim order (its two lists merged by weighted age), then the protected segment oldest
