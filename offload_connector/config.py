@@ -17,6 +17,7 @@ from offload_connector.disk.format import FILE_NAME as DISK_FILE_NAME
 
 RESERVATION_MODES = ("exact", "vllm")
 ADMISSION_POLICIES = ("fair", "greedy")
+LOAD_COMPLETIONS = ("ordered", "landed")
 EVICTION_POLICIES = ("lru", "slru", "arc")  # or "module.path:ClassName" (scheduler/eviction/)
 # Worker copy backends (offload_connector.kernels): "auto" calibrates on CUDA and uses the torch reference on CPU.
 TRANSFER_BACKENDS = BACKEND_CHOICES
@@ -63,6 +64,13 @@ class OffloadConfig:
     # A load not landed after this many seconds is reported failed (vLLM's kv_load_failure_policy decides between
     # recomputing and failing the request); 0 disables the deadline.
     load_timeout_s: float = 60.0
+    # When the worker reports a load to vLLM as finished. "landed": once its bytes are on the GPU. "ordered": as
+    # soon as its copy is issued; the scheduler then names the load in the metadata of the first step whose forward
+    # pass may read its blocks, and the worker orders that forward (and every later copy) after the copy on the
+    # device (stream order on CUDA, a host wait elsewhere). Under async scheduling that schedules a loaded request
+    # up to two steps sooner; the GPU waits only if that forward would start before the copy lands. With
+    # verify_loads every load is reported once landed, since its checksums can still fail it after the copy.
+    load_completion: str = "ordered"
     # How the worker moves bytes; "auto" measures the candidates at start-up on a GPU.
     transfer_backend: str = "auto"
     # Fault injection for tests: overwrite the first block of every load after it lands, so that output
@@ -139,6 +147,8 @@ class OffloadConfig:
             values["stall_watchdog_steps"] = _positive_int("stall_watchdog_steps", extra.pop("stall_watchdog_steps"))
         if "transfer_backend" in extra:
             values["transfer_backend"] = _choice("transfer_backend", extra.pop("transfer_backend"), TRANSFER_BACKENDS)
+        if "load_completion" in extra:
+            values["load_completion"] = _choice("load_completion", extra.pop("load_completion"), LOAD_COMPLETIONS)
         if "load_timeout_s" in extra:
             values["load_timeout_s"] = _non_negative_float("load_timeout_s", extra.pop("load_timeout_s"))
         if "debug_load_delay_steps" in extra:

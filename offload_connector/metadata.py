@@ -90,6 +90,9 @@ class OffloadMetadata(KVConnectorMetadata):
     # Store jobs whose source blocks this step hands to another request: the worker must finish reading them
     # before this step's forward writes those blocks.
     store_fences: tuple[int, ...] = ()
+    # Load jobs reported finished since the last step (load_completion "ordered": possibly before their copies
+    # landed): this step's forward may read their blocks, so it and every later one must run after the copies.
+    load_fences: tuple[int, ...] = ()
     # The disk tier, applied in this order before this step's loads: forget everything (a cache reset), forget these
     # keys (evicted or failed; the scheduler decides, so every worker's tier holds the same keys), write these.
     disk_clear: bool = False

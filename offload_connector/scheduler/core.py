@@ -58,6 +58,7 @@ class OffloadScheduler:
         self.stats = OffloadStatsSink()
         self.watchdog = StallWatchdog(config.stall_watchdog_steps)
         self._step = 0
+        self._load_fences: list[int] = []  # loads reported since the last step (load_completion "ordered")
         self._requests: dict[str, ReqState] = {}
         # KV cache events for the tier (medium "CPU"), drained by take_events(); only when --kv-events-config
         # enables them.
@@ -181,8 +182,9 @@ class OffloadScheduler:
         self._watch(scheduler_output)
         loads, stores, delayed_free = self.jobs.take_step()
         disk_clear, disk_drops, disk_writes = self.disk.take_step() if self.disk is not None else (False, (), ())
+        load_fences, self._load_fences = tuple(self._load_fences), []
         return OffloadMetadata(step=self._step, loads=loads, stores=stores, delayed_free=delayed_free,
-                               store_fences=fences, disk_clear=disk_clear, disk_drops=disk_drops,
+                               store_fences=fences, load_fences=load_fences, disk_clear=disk_clear, disk_drops=disk_drops,
                                disk_writes=disk_writes, tier_slots=self.tier.capacity_slots,
                                remote_writes=self.remote.take_step() if self.remote is not None else (),
                                remote_epoch=self.remote_epoch)
@@ -225,6 +227,10 @@ class OffloadScheduler:
         done = self.jobs.finish_load(rid, ok)
         if done is None:
             return
+        if self.config.load_completion == "ordered":
+            # Its copy may still be landing: the next step's forward is the first that can touch its blocks (the
+            # request resumes, another request hits them, or they are freed and handed out again).
+            self._load_fences.append(done.load.job.job_id)
         if done.live and ok:
             # Tokens the request really got from the tier (vLLM's external_prefix_cache_hits counted them when the
             # load was admitted, whatever became of it; a load of an aborted request serves nobody).

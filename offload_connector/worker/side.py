@@ -1,7 +1,8 @@
 """Worker side of the connector: the host tier, the copies, and what each step reports back.
 
 Per step vLLM calls (see `kv_connector_model_runner_mixin`): `handle_preemptions(meta)` before the forward pass,
-where stores that the scheduler fenced (their source blocks are reused by this forward) are waited for;
+where stores that the scheduler fenced (their source blocks are reused by this forward) are waited for and the
+forward is ordered after the loads it fenced (reported before they landed: load_completion "ordered");
 `start_load_kv` after the forward launch, where this step's stores and loads are issued; then `get_finished` /
 `get_transfer_results`, the stats and the worker metadata (store jobs that finished). A request that finished with
 stores still in flight is reported in `finished_sending` once none of its stores is pending, which is when vLLM
@@ -57,15 +58,18 @@ class OffloadWorker:
     """The worker side. `copier_factory` and `host_tier_factory` replace how the copier and the host tier are built
     (default: `kernels.make_copier` and `allocate_checked_host_tier`); the benchmarks' simulation passes a simulated
     copier and a meta-device tier, and registers meta-device KV caches, so the worker runs as it does in vLLM
-    without a byte of KV cache or host tier being allocated."""
+    without a byte of KV cache or host tier being allocated, and `clock` (simulated time) for the transfer engine's
+    estimate of when loads land."""
 
     def __init__(self, config: OffloadConfig, vllm_config: Any, kv_cache_config: Any, *,
                  copier_factory: CopierFactory | None = None,
-                 host_tier_factory: HostTierFactory | None = None) -> None:
+                 host_tier_factory: HostTierFactory | None = None,
+                 clock: Callable[[], float] | None = None) -> None:
         self.config = config
         self._vllm_config = vllm_config
         self._copier_factory = copier_factory
         self._host_tier_factory = host_tier_factory or allocate_checked_host_tier
+        self._clock = clock  # the transfer engine's time source (default: the host's; a simulation's own)
         self.kv_cache_config = kv_cache_config
         self.stats = OffloadStatsSink()
         self.layout: KVLayout | None = None
@@ -138,7 +142,9 @@ class OffloadWorker:
                                      load_timeout_s=self.config.load_timeout_s,
                                      fail_loads=self._fail_loads, fail_stores=self._fail_stores,
                                      checksums=checksums,
-                                     copy_delay_s=self.config.debug_copy_delay_s)
+                                     copy_delay_s=self.config.debug_copy_delay_s,
+                                     ordered_loads=self.config.load_completion == "ordered",
+                                     clock=self._clock)
         self._count_blocks = counts_blocks_here()
         logger.info("offload_connector worker side: host tier %d bytes (cpu_bytes %d) = %d slots x %d bytes (%s, "
                     "%s), shared by %d KV cache groups (%s); %d unique KV pages in all; backend %s "
@@ -173,6 +179,10 @@ class OffloadWorker:
             if meta.store_fences:
                 self.engine.wait_for_jobs(meta.store_fences)
             self.engine.order_compute_after_zombies()
+            # Loads reported before their copies landed (load_completion "ordered") whose blocks this forward may
+            # read: named by the scheduler in the first step after it learned of them, ordered before every forward
+            # from then on until they land.
+            self.engine.order_compute_after_loads(meta.load_fences)
         self._fenced_step = meta.step
 
     def start(self, meta: OffloadMetadata) -> None:
@@ -245,6 +255,10 @@ class OffloadWorker:
             assert self.engine is not None
             self.engine.submit_failed_load(job, f"this worker has no {missing[0]} tier")
             return
+        # The reads write CPU-tier slots from the host: a slot the scheduler released when it was told of an ordered
+        # load may still be read by that load's copy.
+        assert self.engine is not None
+        self.engine.wait_for_ordered_loads()
         if job.disk_keys:
             handles += self.disk.read_back(job)
         if job.remote_keys:

@@ -12,6 +12,13 @@ of waiting forever. Its copy cannot be cancelled, though, and still writes into 
 it lands it stays a "zombie", and every later copy and forward pass is ordered after it (on the GPU by stream order;
 a copy not issued yet, which only `debug_copy_delay_s` makes on the CPU backend, is waited for on the host).
 
+With `ordered_loads` (load_completion "ordered"), a load is reported finished before its bytes land once its copy
+is issued and should land within a step (`landing.LandingEstimate`): until they do it stays "ordered" (`_ordered`),
+every later copy is ordered after it like a zombie's
+(a store may reuse the host slots it still reads), and a forward pass is ordered after it once the scheduler names
+it in a step's `load_fences` (the first step whose forward may read its blocks), and at every step after that until
+it lands. Checksums can fail a load after its copy, so with them every load is reported once landed.
+
 With `verify_loads` (a `SlotChecksums`), every store also queues the checksums of its source blocks right after its
 copy, kept per host slot once the store lands, and every load queues the checksums of its destination blocks right
 after its copy: a load whose blocks do not match their slots' checksums is reported failed like a late one.
@@ -30,6 +37,7 @@ import torch
 from offload_connector.log import get_logger
 from offload_connector.metadata import TransferJob
 from offload_connector.worker.checksum import PendingSums, SlotChecksums
+from offload_connector.worker.landing import LandingEstimate
 
 logger = get_logger(__name__)
 
@@ -52,6 +60,9 @@ class _Issued:
         self.completion: Any = None
         self.sums: PendingSums | None = None
         self.error: str | None = None
+        # CUDA timing events recorded around the copy on its stream, once issued (loads under ordered_loads): its
+        # own duration on the device.
+        self.timing: list[tuple[Any, Any]] = []
         if delay_s <= 0:
             self._start()
 
@@ -93,6 +104,20 @@ class _Issued:
             if self.sums is not None:
                 self.sums.wait()
 
+    @property
+    def started(self) -> bool:
+        """Issued, and its copy under way as far as the backend knows (the benchmarks' simulated backend can hold a
+        copy back; a real backend's copy is under way once issued)."""
+        return self.issued and self.error is None and bool(getattr(self.completion, "started", True))
+
+    def device_seconds(self) -> float | None:
+        """Once landed: how long the copy itself took on the device, where that was measured."""
+        if self.timing:
+            start, end = self.timing[0]
+            return float(start.elapsed_time(end)) * 1e-3
+        seconds = getattr(self.completion, "device_seconds", None)
+        return seconds() if callable(seconds) else None
+
     def order_before(self, stream: Any) -> None:
         if not self.issued:
             self.wait()
@@ -127,7 +152,8 @@ class TransferEngine:
     def __init__(self, copier: Any, num_groups: int, group_bytes: Sequence[int], device: torch.device,
                  after_load_copy: Callable[[TransferJob], None] | None = None, load_timeout_s: float = 0.0,
                  fail_loads: bool = False, checksums: SlotChecksums | None = None,
-                 copy_delay_s: float = 0.0, fail_stores: bool = False) -> None:
+                 copy_delay_s: float = 0.0, fail_stores: bool = False, ordered_loads: bool = False,
+                 clock: Callable[[], float] | None = None) -> None:
         self._copier = copier
         self._num_groups = num_groups
         self._group_bytes = list(group_bytes)
@@ -139,6 +165,14 @@ class TransferEngine:
         self.verify_failures = 0
         self._jobs: dict[int, _InFlight] = {}
         self._zombies: dict[int, _InFlight] = {}  # timed-out loads whose copies have not landed yet
+        # Loads reported finished when their copies were issued (ordered_loads), whose bytes have not landed yet,
+        # and those of them a step's load_fences named (every forward pass from then on is ordered after them).
+        self._ordered_loads = ordered_loads and checksums is None
+        self._ordered: dict[int, _InFlight] = {}
+        self._fenced_loads: set[int] = set()
+        # When the loads will land (only ordered_loads reads it): `clock` is the time it measures steps and the
+        # link in (the benchmarks' simulation passes simulated time).
+        self.landing = LandingEstimate(clock or time.perf_counter)
         self._load_timeout_s = load_timeout_s
         self._fail_loads = fail_loads  # debug_fail_load(_ranks): loads report failed without copying
         self._fail_stores = fail_stores  # debug_fail_store_ranks: stores likewise
@@ -176,7 +210,7 @@ class TransferEngine:
         if self._fail_stores:
             self._jobs[job.job_id] = _InFlight("store", job, None, started, 0, "injected failure")
             return
-        self._after_zombies(self.store_stream)
+        self._after_unlanded(self.store_stream)
         if self._checksums is not None:
             self._checksums.invalidate(job.host_slots)  # the slots' old contents are being replaced
 
@@ -208,14 +242,24 @@ class TransferEngine:
         if self._fail_loads or job.fail_reason:
             self.submit_failed_load(job, job.fail_reason or "injected failure")
             return
-        self._after_zombies(self.load_stream)
+        self._after_unlanded(self.load_stream)
         if self.load_stream is not None:
             # A destination block may have been freed by a request whose last forward pass is still queued on
             # the compute stream (async scheduling) and will write it: land after that, never under it.
             self.load_stream.wait_stream(torch.cuda.current_stream(self._device))
 
+        timing: list[tuple[Any, Any]] = []
+
         def issue() -> tuple[Any, PendingSums | None]:
+            start = None
+            if self.load_stream is not None and self._ordered_loads:
+                start = torch.cuda.Event(enable_timing=True)
+                start.record(self.load_stream)
             completion = self._copier.copy("h2d", self._ids(job), stream=self.load_stream)
+            if start is not None:
+                end = torch.cuda.Event(enable_timing=True)
+                end.record(self.load_stream)
+                timing.append((start, end))
             sums = None
             if self._after_load_copy is not None or self._checksums is not None:
                 with self._on(self.load_stream):
@@ -226,12 +270,14 @@ class TransferEngine:
                         sums = self._checksums.measure(job.groups, job.gpu_blocks, self.load_stream)
             return completion, sums
         issued = _Issued(issue, self._copy_delay_s)
+        issued.timing = timing
         if issued.error is not None:
             logger.warning("offload_connector: load job %d for %s failed: %s", job.job_id, job.request_id,
                            issued.error)
             self._jobs[job.job_id] = _InFlight("load", job, None, started, 0, issued.error)
             return
         self._jobs[job.job_id] = _InFlight("load", job, issued, started, self._nbytes(job))
+        self.landing.submitted(job.job_id, self._nbytes(job))
 
     def submit_failed_load(self, job: TransferJob, reason: str) -> None:
         """A load that failed before any copy (injected, refused by the scheduler, or its disk read-back failed):
@@ -243,6 +289,34 @@ class TransferEngine:
     def _after_zombies(self, stream: Any) -> None:
         for flight in self._zombies.values():
             flight.completion.order_before(stream)
+
+    def _after_unlanded(self, stream: Any) -> None:
+        """Before a copy: after every load still copying that vLLM was told is done or failed (zombies, ordered
+        loads). The scheduler has released their host slots and GPU blocks, so this copy may reuse them."""
+        self._after_zombies(stream)
+        for flight in self._ordered.values():
+            flight.completion.order_before(stream)
+
+    def order_compute_after_loads(self, job_ids: Sequence[int]) -> None:
+        """Before a forward pass: it may read (or, once vLLM reuses them, write) the blocks of these ordered loads,
+        and every later forward may too. On CUDA the compute stream waits for their copies; elsewhere the host."""
+        self._fenced_loads.update(job_ids)
+        if not self._fenced_loads:
+            return
+        self._fenced_loads.intersection_update(self._ordered)
+        stream = torch.cuda.current_stream(self._device) if self._device.type == "cuda" else None
+        for job_id in self._fenced_loads:
+            completion = self._ordered[job_id].completion
+            if stream is None:
+                completion.wait()
+            else:
+                completion.order_before(stream)
+
+    def wait_for_ordered_loads(self) -> None:
+        """Block the host until every ordered load has landed: before anything writes CPU-tier slots from the host
+        (disk and shared-tier read-backs), which no stream orders after the copies still reading them."""
+        for flight in self._ordered.values():
+            flight.completion.wait()
 
     def order_compute_after_zombies(self) -> None:
         """Before a forward pass: it may write blocks a timed-out load is still copying into. On the CPU backend
@@ -260,11 +334,28 @@ class TransferEngine:
         """Jobs whose copies have landed (or failed) since the last poll, in submission order."""
         done: list[JobResult] = []
         now = time.perf_counter()
-        for job_id, flight in list(self._zombies.items()):
-            if flight.completion.query():
-                del self._zombies[job_id]
+        self.landing.poll()
+        for pending in (self._zombies, self._ordered):
+            for job_id, flight in list(pending.items()):
+                if flight.completion.query():
+                    del pending[job_id]
+                    self.landing.landed(job_id, flight.completion.device_seconds())
         for job_id, flight in list(self._jobs.items()):
             if flight.completion is not None and not flight.completion.query():
+                if (flight.kind == "load" and self._ordered_loads and flight.completion.started
+                        and self.landing.lands_within_a_step(job_id)):
+                    # Every later copy and the forward the scheduler fences are ordered after it, and it should
+                    # land before that forward starts: report it now.
+                    del self._jobs[job_id]
+                    failure = flight.completion.failure
+                    if failure is None:
+                        self._ordered[job_id] = flight
+                    else:
+                        self.landing.dropped(job_id)
+                        logger.warning("offload_connector: load job %d for %s failed: %s", job_id,
+                                       flight.job.request_id, failure)
+                    done.append(JobResult("load", flight.job, failure is None, now - flight.started, flight.nbytes))
+                    continue
                 if (flight.kind == "load" and self._load_timeout_s > 0
                         and now - flight.started > self._load_timeout_s):
                     del self._jobs[job_id]
@@ -277,6 +368,8 @@ class TransferEngine:
             del self._jobs[job_id]
             issued = flight.completion
             failure = issued.failure if issued is not None else flight.error
+            if flight.kind == "load":
+                self.landing.landed(job_id, issued.device_seconds() if issued is not None else None)
             ok = issued is not None and failure is None
             if issued is not None and failure is not None:  # a delayed copy that raised, or a copy that landed failed
                 logger.warning("offload_connector: %s job %d for %s failed: %s", flight.kind, job_id,
@@ -306,10 +399,10 @@ class TransferEngine:
         return done
 
     def pending(self) -> int:
-        return len(self._jobs) + len(self._zombies)
+        return len(self._jobs) + len(self._zombies) + len(self._ordered)
 
     def drain(self) -> list[JobResult]:
         self.wait_for_jobs(list(self._jobs))
-        for flight in self._zombies.values():
+        for flight in (*self._zombies.values(), *self._ordered.values()):
             flight.completion.wait()
         return self.poll()

@@ -55,14 +55,28 @@ class ClockTiming:
         self.group_bytes = list(group_block_bytes)
         self.tally = TransferTally()
 
-    def due(self, job: Any, is_load: bool, step: int) -> float:
+    def due(self, job: Any, is_load: bool, step: int, not_before: float = 0.0) -> float:
         nbytes = sum(self.group_bytes[g] for g in job.groups)
         self.tally.add(is_load, nbytes)
-        return self.clock.schedule_transfer("load" if is_load else "store", nbytes)
+        return self.clock.schedule_transfer("load" if is_load else "store", nbytes, not_before)
 
     def now(self, step: int) -> float:
         # Copies land just before the batch's output is applied: those that finished by the end of that batch.
         return self.clock.peek_applied_batch_end()
+
+    def seconds(self, job: Any, is_load: bool) -> float:
+        # The copy's own time on the link: its bytes over the bandwidth.
+        return self.clock.model.transfer_seconds(sum(self.group_bytes[g] for g in job.groups))
+
+    def time_at(self, step: int) -> float:
+        # The start of the batch scheduled last: where a copy issued now starts, and, when an earlier batch's output
+        # is applied (the worker polls), that batch's end.
+        return self.clock.batch_start
+
+    def forward_waits_until(self, due: float) -> None:
+        # The forward of the batch being issued is ordered after a load that lands at `due` (load_completion
+        # "ordered"): on the GPU it starts then, and so does everything queued behind it.
+        self.clock.delay_batch_until(due)
 
 
 class TimedFakeOffloadingWorker(FakeOffloadingWorker):

@@ -133,6 +133,8 @@ def _finish(kind: str, eng: ReplayEngine, clock: SimClock, total: int, stall_ste
         stored_bytes=eng.tally.store_bytes, reason=reason, wall=wall,
         stall_dump=pool_holders(eng) if stall_step is not None else None,
         extra={"num_blocks": eng.sim.kv_cache_config.num_blocks, "groups": eng.group_names,
+               # Simulated seconds forward passes waited for loads reported before they landed (ours, "ordered").
+               "forward_wait_s": round(clock.forward_wait_s, 6),
                "loads_content_checked": eng.loads_content_checked(),
                **_load_outcomes(eng), **_spec_outcomes(eng),
                # Which groups' admission count sim/vllm_patched.py replaced (vllm-offloading-patched only).

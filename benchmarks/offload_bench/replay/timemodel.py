@@ -12,7 +12,10 @@ with scheduling hidden behind execution as under async scheduling.
 Transfers: a job of B bytes takes B / bandwidth seconds on its direction's copy stream (host->device for loads,
 device->host for stores); jobs in one direction run one after another, starting when they are issued (the start of
 the forward of the batch that carries them) or when the previous job ends. The worker reports a job finished at
-the end of the first batch that ends after it, which is when vLLM's worker checks for finished transfers.
+the end of the first batch that ends after it, which is when vLLM's worker checks for finished transfers. Our
+connector's worker, with load_completion "ordered", reports a load when its copy is issued instead; the forward pass
+the scheduler then orders after it starts no earlier than the copy's end (`delay_batch_until`), and a copy ordered
+after it starts no earlier either.
 """
 
 from __future__ import annotations
@@ -84,6 +87,7 @@ class SimClock:
         self.batch_end = 0.0
         self._unapplied: deque[float] = deque()  # end times of batches whose output was not applied yet
         self._stream_free = {"load": 0.0, "store": 0.0}
+        self.forward_wait_s = 0.0  # simulated seconds forward passes waited for loads they were ordered after
 
     def begin_batch(self, prefill_tokens: int, decode_requests: int) -> None:
         self.batch_start = self.now
@@ -104,9 +108,23 @@ class SimClock:
             self.now = t
             self.batch_start = self.batch_end = t
 
-    def schedule_transfer(self, direction: str, nbytes: int) -> float:
-        """When a job issued at the current batch's start finishes on its direction's stream."""
-        start = max(self.batch_start, self._stream_free[direction])
+    def delay_batch_until(self, t: float) -> None:
+        """The current batch's forward cannot start before `t` (it is ordered after a copy landing then): it and
+        its end move later, and so does every batch after it."""
+        if t <= self.batch_start:
+            return
+        shift = t - self.batch_start
+        self.batch_start = t
+        self.now += shift
+        self.batch_end = self.now
+        if self._unapplied:
+            self._unapplied[-1] = self.batch_end
+        self.forward_wait_s += shift
+
+    def schedule_transfer(self, direction: str, nbytes: int, not_before: float = 0.0) -> float:
+        """When a job issued at the current batch's start (or at `not_before`, when it is ordered after an earlier
+        copy) finishes on its direction's stream."""
+        start = max(self.batch_start, self._stream_free[direction], not_before)
         self._stream_free[direction] = start + self.model.transfer_seconds(nbytes)
         return self._stream_free[direction]
 

@@ -90,6 +90,7 @@ class SchedulerDriver(DraftCounts):
         self.feeds_drafts = self.num_spec_tokens > 0 and not cfg.scheduler_config.async_scheduling
         self._tagged: dict[str, list[int]] = {}  # per request, per group: blocks [0, n) already tagged
         self._settled: dict[str, int] = {}  # per request: tokens whose KV applied batches have computed
+        self._unlanded: dict[str, int] = {}  # reported loads whose copies had not landed: request -> hit
 
     # ------------------------------------------------------------------ helpers
     @property
@@ -157,14 +158,15 @@ class SchedulerDriver(DraftCounts):
                         self.engine.gpu[blocks[i].block_id] = keys(g.index, i)
                 marks[g.index] = max(marks[g.index], last)
 
-    def _verify_loaded(self, rids: set[str]) -> None:
+    def _verify_loaded(self, rids: set[str], hits: dict[str, int] | None = None) -> None:
+        """Check the restore range of each landed load (`hits`: the hit of a load checked later than its report)."""
         if not (self.check_loads and self.engine is not None and self.side is not None):
             return
         for rid in rids:
             req = self.sched.requests.get(rid)
             if req is None:
                 continue
-            hit = req.num_computed_tokens
+            hit = req.num_computed_tokens if hits is None else hits[rid]
             keys = self.side.layout.keys(req)
             for g, mgr in zip(self.side.groups, self.managers()):
                 blocks = mgr.req_to_blocks.get(rid, [])
@@ -192,6 +194,8 @@ class SchedulerDriver(DraftCounts):
             self.worker.start(meta)
             self.engine.check_issued()
             self.delayed_free.update(meta.delayed_free)
+        if self._unlanded:
+            self._check_ordered_loads(out)
         self._write_computed_tags(out)
         req_ids, sampled = self.drafts.sample(self.sched, out)
         # Whether a transfer was in flight during this step (measured before this step's completions land). A load
@@ -214,6 +218,20 @@ class SchedulerDriver(DraftCounts):
         if self.record:
             self.history.append(rec)
         return rec
+
+    def _check_ordered_loads(self, out: Any) -> None:
+        """Loads reported before they landed: none may be read by this step's forward unless the worker ordered the
+        forward after the copy, and each is checked once its tags are in place."""
+        unsettled = self.engine.unsettled_loads()
+        for rid in out.num_scheduled_tokens:
+            op = unsettled.get(rid)
+            if rid in self._unlanded and op is not None and not op.forward_ordered:
+                raise LoadContentError(f"{rid}: scheduled in step {self.step_no} before its load was ordered before "
+                                       f"the forward pass")
+        copying = {j.request_id for j in self.engine.inflight_jobs("load")}
+        landed = {rid for rid in self._unlanded if rid not in copying}
+        if landed:
+            self._verify_loaded(landed, {rid: self._unlanded.pop(rid) for rid in landed})
 
     def _apply_oldest(self) -> None:
         from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
@@ -264,7 +282,17 @@ class SchedulerDriver(DraftCounts):
             if req.is_finished() and rid not in pending:
                 self._tagged.pop(rid, None)
                 self._settled.pop(rid, None)
-        self._verify_loaded(recving - failed)
+        ok = recving - failed
+        if self.engine is not None and self.engine.inflight:
+            # Reported before its copy landed (load_completion "ordered"): checked once the forward that reads it
+            # has been ordered after it (`_check_ordered_loads`).
+            copying = {j.request_id for j in self.engine.inflight_jobs("load")} & ok
+            for rid in copying:
+                req = self.sched.requests.get(rid)
+                if req is not None:
+                    self._unlanded[rid] = req.num_computed_tokens
+            ok -= copying
+        self._verify_loaded(ok)
         if self.feeds_drafts and req_ids:
             self._propose_drafts(req_ids)
 

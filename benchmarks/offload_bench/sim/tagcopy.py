@@ -48,11 +48,20 @@ class StepTiming:
         self.load_latency = load_latency
         self.store_latency = store_latency
 
-    def due(self, job: TransferJob, is_load: bool, step: int) -> float:
-        return step + (self.load_latency if is_load else self.store_latency)
+    def due(self, job: TransferJob, is_load: bool, step: int, not_before: float = 0.0) -> float:
+        return max(step + (self.load_latency if is_load else self.store_latency), not_before)
 
     def now(self, step: int) -> float:
         return step
+
+    def time_at(self, step: int) -> float:
+        return step
+
+    def seconds(self, job: TransferJob, is_load: bool) -> float:
+        return self.load_latency if is_load else self.store_latency
+
+    def forward_waits_until(self, due: float) -> None:
+        """A forward pass waits for a load due then (load_completion "ordered"); steps take no time here."""
 
 
 @dataclass
@@ -65,6 +74,10 @@ class TagOp:
     failed: bool = False
     captured: list[Hashable] | None = None  # a store's source tags, read early by a host wait
     landed: bool = False
+    # A load landed before its due time because something was ordered after it: its tags are in place, but its
+    # copy is still running until the simulation reaches `due` (query() is false until then).
+    early: bool = False
+    forward_ordered: bool = False  # a forward pass was ordered after it (the worker's host wait, before a forward)
 
 
 class TagCompletion(Completion):
@@ -74,17 +87,42 @@ class TagCompletion(Completion):
         self.op = op
 
     def query(self) -> bool:
-        return self.op.landed
+        return self.op.landed and not self.op.early
 
     def wait(self) -> None:
-        self._copier._read_source(self.op)
+        # The worker waits on the host for a store (it has read its source by then) or, before a forward pass, for an
+        # ordered load: the forward starts when the load lands (`forward_waits_until`).
+        if self.op.is_load:
+            self._copier._land_early(self.op)
+            self.op.forward_ordered = True
+            self._copier.timing_forward_wait(self.op)
+        else:
+            self._copier._read_source(self.op)
 
     def order_before(self, stream: Any) -> None:
-        self.wait()  # no streams here: ordered on the host, as the worker does for a copy not issued yet
+        # No streams here. A store: read its source now, as the worker's host wait for a copy not issued yet. A load
+        # (an ordered or timed-out one, before a later copy): that copy starts only once this one has landed.
+        if self.op.is_load:
+            self._copier._land_early(self.op)
+            if self.op.due != HELD:
+                self._copier.copy_floor = max(self._copier.copy_floor, self.op.due)
+        else:
+            self.wait()
+
+    @property
+    def started(self) -> bool:
+        """A held copy has not started: the worker cannot expect it to land, and reports it once it has."""
+        return self.op.due != HELD
+
+    def device_seconds(self) -> float | None:
+        """The copy's own time on the simulated link (what CUDA timing events around it measure)."""
+        return self._copier.timing_seconds(self.op)
 
     @property
     def error(self) -> str | None:  # type: ignore[override]
-        return "injected failure (simulated backend)" if self.op.landed and self.op.failed else None
+        # Decided when the copy is issued; the worker reads it once the copy has landed, or at once when it reports
+        # loads when issued (load_completion "ordered").
+        return "injected failure (simulated backend)" if self.op.failed else None
 
 
 class TagCopier(BlockCopier):
@@ -123,6 +161,9 @@ class TagCopier(BlockCopier):
         self._expected: dict[str, deque[TransferJob]] = {"d2h": deque(), "h2d": deque()}
         self._read_back: list[TransferJob] = []  # loads issued once their disk / shared-tier reads are back
         self._refused: list[str] = []
+        # A copy the worker ordered after an unlanded load starts no earlier than that load's due time.
+        self.copy_floor = 0.0
+        self._early: list[TagOp] = []  # loads landed before their due time (`_land_early`)
 
     # ----------------------------------------------------------------- layout
     def bind(self, device_pages: Sequence[torch.Tensor], host_pages: Sequence[torch.Tensor],
@@ -191,10 +232,32 @@ class TagCopier(BlockCopier):
         predicate = self.fail_load if is_load else self.fail_store
         failed = predicate is not None and bool(predicate(job))
         held = self.hold_loads if is_load else self.hold_stores
-        due = HELD if held else self.timing.due(job, is_load, self._step)
+        due = HELD if held else self.timing.due(job, is_load, self._step, self.copy_floor)
         op = TagOp(due, job, is_load, pairs, failed)
         self.inflight.append(op)
         return TagCompletion(self, op)
+
+    def _land_early(self, op: TagOp) -> None:
+        """Land a load now that something is ordered after it (a later copy, a forward pass): its destination blocks
+        hold their tags from here on, whatever the due time; the time that costs is charged by the caller."""
+        if op.landed or op.due == HELD:
+            return
+        self._land(op, self.timing.now(self._step))
+        self.inflight = deque(o for o in self.inflight if o is not op)
+        op.early = True
+        self._early.append(op)
+
+    def clock(self) -> float:
+        """The simulation's time now, for the worker's transfer engine (steps, or simulated seconds)."""
+        return self.timing.time_at(self._step)
+
+    def timing_seconds(self, op: TagOp) -> float | None:
+        seconds = getattr(self.timing, "seconds", None)
+        return seconds(op.job, op.is_load) if seconds is not None else None
+
+    def timing_forward_wait(self, op: TagOp) -> None:
+        if op.due != HELD:
+            self.timing.forward_waits_until(op.due)
 
     def _read_source(self, op: TagOp) -> None:
         """A host wait: the copy has read its source by the time it returns (a store's GPU blocks)."""
@@ -205,6 +268,10 @@ class TagCopier(BlockCopier):
     def advance(self, step: int) -> None:
         """Land every copy due by the simulation's time at `step` (the timing's `now`), in issue order."""
         now = self.timing.now(step)
+        for op in self._early:
+            if op.due <= now:
+                op.early = False
+        self._early = [op for op in self._early if op.early]
         still: deque[TagOp] = deque()
         for op in self.inflight:
             if op.due > now:
@@ -247,6 +314,10 @@ class TagCopier(BlockCopier):
         for op in self.inflight:
             if op.due == HELD and (kind is None or (kind == "load") == op.is_load):
                 op.due = step
+
+    def unsettled_loads(self) -> dict[str, TagOp]:
+        """Loads whose copies are still running (not landed, or landed early), by request."""
+        return {op.job.request_id: op for op in (*self.inflight, *self._early) if op.is_load}
 
     def inflight_jobs(self, kind: str | None = None, request_id: str | None = None) -> list[TransferJob]:
         return [op.job for op in self.inflight
@@ -298,7 +369,7 @@ def build_worker(copier: TagCopier, scheduler: Any) -> Any:
     worker = OffloadWorker(config, scheduler.vllm_config, kv_cache_config,
                            copier_factory=lambda backend, device_pages, host_pages, segments, *, device:
                            copier.bind(device_pages, host_pages, segments),
-                           host_tier_factory=meta_host_tier)
+                           host_tier_factory=meta_host_tier, clock=copier.clock)
     worker.register_kv_caches(meta_kv_caches(kv_cache_config))
     side = getattr(conn, "scheduler_side", None)
     if side is not None and worker.host_tier.tensor.shape[0] != side.tier.capacity_slots:
