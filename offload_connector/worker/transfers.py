@@ -114,7 +114,8 @@ class _Issued:
         """Once landed: how long the copy itself took on the device, where that was measured."""
         if self.timing:
             start, end = self.timing[0]
-            return float(start.elapsed_time(end)) * 1e-3
+            # Recorded after the copy's own completion event: it may not have been reached yet.
+            return float(start.elapsed_time(end)) * 1e-3 if end.query() else None
         seconds = getattr(self.completion, "device_seconds", None)
         return seconds() if callable(seconds) else None
 
