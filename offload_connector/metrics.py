@@ -28,6 +28,7 @@ labels):
 | `vllm:offload_connector_load_failures_total` | counter | | worker | load jobs that failed on a worker (request recomputed) |
 | `vllm:offload_connector_store_failures_total` | counter | | worker | store jobs that failed on a worker (blocks not cached) |
 | `vllm:offload_connector_load_verify_failures_total` | counter | | worker | load jobs whose landed blocks did not match the checksums stored with them (`verify_loads`); each is also a load failure |
+| `vllm:offload_connector_loads_reported_early_total` | counter | | worker | load jobs reported to vLLM before their copy landed (`load_completion: "ordered"`), summed over workers: the forward that reads each is ordered after its copy |
 | `vllm:offload_connector_loaded_tokens_total` | counter | | scheduler | prompt tokens whose load landed (and verified): the external hits a request really got from the CPU tier. vLLM's `vllm:external_prefix_cache_hits_total` counts granted tokens at admission, failed loads included |
 | `vllm:offload_connector_deferrals_total` | counter | `reason` | scheduler | load decisions other than "admit the full hit now" |
 | `vllm:offload_connector_deferred_requests` | gauge | | scheduler | requests whose load is deferred right now |
@@ -94,6 +95,7 @@ EVICTIONS = "cpu_tier_evictions"
 STALLS = "stalls_detected"
 STORE_REJECTIONS = "cpu_tier_store_rejections"
 LOAD_VERIFY_FAILURES = "load_verify_failures"
+LOADS_REPORTED_EARLY = "loads_reported_early"
 LOADED_TOKENS = "loaded_tokens"
 DISK_EVICTIONS, DISK_READ_BACK, DISK_WRITE_SKIPS = "disk_tier_evictions", "disk_tier_read_back_blocks", \
     "disk_tier_write_skips"
@@ -175,6 +177,9 @@ class OffloadStats(KVConnectorStats):
     def record_load_verify_failure(self) -> None:
         self._add(LOAD_VERIFY_FAILURES, 1)
 
+    def record_load_reported_early(self) -> None:
+        self._add(LOADS_REPORTED_EARLY, 1)
+
     def record_loaded_tokens(self, tokens: int) -> None:
         self._add(LOADED_TOKENS, tokens)
 
@@ -224,7 +229,7 @@ class OffloadStats(KVConnectorStats):
                 out[f"{direction}_GBps"] = _sig(counters.get(nbytes_key, 0) / total / 1e9) if total > 0 else 0.0
         for key, value in counters.items():
             if key.startswith(DEFERRAL_PREFIX) or key in (EVICTIONS, STALLS, STORE_REJECTIONS, LOAD_VERIFY_FAILURES,
-                                                          LOADED_TOKENS, *_DISK_COUNTERS):
+                                                          LOADS_REPORTED_EARLY, LOADED_TOKENS, *_DISK_COUNTERS):
                 out[key.replace(":", "_")] = value
         out.update(gauges)
         if gauges.get(TIER_CAPACITY):
@@ -321,6 +326,11 @@ class OffloadStatsSink:
         """Worker side: a load job whose blocks did not match their stored checksums (also a load failure)."""
         with self._lock:
             self._stats.record_load_verify_failure()
+
+    def record_load_reported_early(self) -> None:
+        """Worker side: a load job reported before its copy landed (load_completion "ordered")."""
+        with self._lock:
+            self._stats.record_load_reported_early()
 
     def record_loaded_tokens(self, tokens: int) -> None:
         """Scheduler side: a request's load landed (and verified); `tokens` it no longer computes."""

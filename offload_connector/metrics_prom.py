@@ -31,6 +31,9 @@ _COUNTERS: dict[str, tuple[str, str]] = {
     m.STORE_FAILURES: ("store_failures_total", "Store jobs that failed on a worker; their blocks are not cached."),
     m.LOAD_VERIFY_FAILURES: ("load_verify_failures_total", "Load jobs whose landed blocks did not match the checksums "
                                                            "stored with them (verify_loads); also load failures."),
+    m.LOADS_REPORTED_EARLY: ("loads_reported_early_total", "Load jobs reported to vLLM before their copy landed "
+                                                           "(load_completion \"ordered\"); the forward that reads "
+                                                           "each is ordered after its copy."),
     m.LOADED_TOKENS: ("loaded_tokens_total", "Prompt tokens whose load from the CPU tier landed (and verified). "
                                              "vllm:external_prefix_cache_hits counts granted tokens at admission, "
                                              "failed loads included."),

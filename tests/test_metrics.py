@@ -413,3 +413,17 @@ def test_eviction_bias_is_a_gauge_sent_when_it_moves_and_exported():
     prom.observe(stats.to_dict(), engine_idx=0)
     assert _samples(reg)[("vllm:offload_connector_cpu_tier_eviction_bias", (("engine", "0"), ("model_name", "m")))] \
         == -0.5
+
+
+def test_loads_reported_early_are_counted_and_exported():
+    sink = m.OffloadStatsSink()
+    sink.record_load_reported_early()
+    sink.record_load_reported_early()
+    stats = sink.take()
+    assert stats.data[m.COUNTERS][m.LOADS_REPORTED_EARLY] == 2
+    assert stats.reduce()[m.LOADS_REPORTED_EARLY] == 2
+    reg = CollectorRegistry()
+    prom = build_prom_metrics(_cfg(), _fresh_types(reg), LABELNAMES, {0: ["m", "0"]})
+    prom.observe(stats.to_dict(), engine_idx=0)
+    assert _samples(reg)[("vllm:offload_connector_loads_reported_early_total",
+                          (("engine", "0"), ("model_name", "m")))] == 2

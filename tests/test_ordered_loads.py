@@ -205,6 +205,11 @@ def _scene(load_completion: str) -> tuple[Any, dict[str, int]]:
     sched, hbs = build_custom(GROUPS, num_blocks=1200, max_num_batched_tokens=512, max_model_len=8192,
                               kv_transfer_config=connector_config("exact", 1 << 31, load_completion=load_completion))
     drv = SchedulerDriver(sched, TagCopier(3))
+    early = []  # the worker's metric: loads it reported before they landed
+    sink = drv.worker.stats
+    record = sink.record_load_reported_early
+    sink.record_load_reported_early = lambda: (early.append(1), record())[1]  # type: ignore[method-assign]
+    drv.reported_early = early  # type: ignore[attr-defined]
     prompts = {name: tokens(seed, PREFIX) for name, seed in (("a", 1), ("b", 2))}
     for name, prompt in prompts.items():
         drv.add([make_request(f"warm-{name}", prompt, 1, hbs)])
@@ -235,6 +240,7 @@ def test_in_vllms_scheduler_an_ordered_load_runs_a_step_sooner_and_holds_its_tok
     # second is reported before it lands, and its request's first token comes at least a step sooner.
     assert ttft_ordered["back-a"] == ttft_landed["back-a"]
     assert ttft_ordered["back-b"] <= ttft_landed["back-b"] - 1
+    assert len(ordered.reported_early) == 1 and not landed.reported_early  # vllm:..._loads_reported_early_total
 
 
 def test_without_the_schedulers_fences_the_forward_reads_a_load_still_in_flight(monkeypatch: pytest.MonkeyPatch):

@@ -236,6 +236,8 @@ class OffloadWorker:
                                        count_blocks=self._count_blocks)
             if result.verify_failed:
                 self.stats.record_load_verify_failure()
+            if result.early:
+                self.stats.record_load_reported_early()
             if result.kind == "load":
                 self._held_loads.append((self.config.debug_load_delay_steps, job.request_id, result.ok))
                 continue

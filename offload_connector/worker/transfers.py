@@ -147,6 +147,8 @@ class JobResult:
     nbytes: int
     # A load whose blocks landed but did not match their stored checksums (verify_loads); `ok` is False then.
     verify_failed: bool = False
+    # A load reported before its copy landed (ordered_loads).
+    early: bool = False
 
 
 class TransferEngine:
@@ -355,7 +357,8 @@ class TransferEngine:
                         self.landing.dropped(job_id)
                         logger.warning("offload_connector: load job %d for %s failed: %s", job_id,
                                        flight.job.request_id, failure)
-                    done.append(JobResult("load", flight.job, failure is None, now - flight.started, flight.nbytes))
+                    done.append(JobResult("load", flight.job, failure is None, now - flight.started, flight.nbytes,
+                                          early=failure is None))
                     continue
                 if (flight.kind == "load" and self._load_timeout_s > 0
                         and now - flight.started > self._load_timeout_s):
