@@ -184,8 +184,8 @@ class OffloadScheduler:
         disk_clear, disk_drops, disk_writes = self.disk.take_step() if self.disk is not None else (False, (), ())
         load_fences, self._load_fences = tuple(self._load_fences), []
         return OffloadMetadata(step=self._step, loads=loads, stores=stores, delayed_free=delayed_free,
-                               store_fences=fences, load_fences=load_fences, disk_clear=disk_clear, disk_drops=disk_drops,
-                               disk_writes=disk_writes, tier_slots=self.tier.capacity_slots,
+                               store_fences=fences, load_fences=load_fences, disk_clear=disk_clear,
+                               disk_drops=disk_drops, disk_writes=disk_writes, tier_slots=self.tier.capacity_slots,
                                remote_writes=self.remote.take_step() if self.remote is not None else (),
                                remote_epoch=self.remote_epoch)
 

@@ -13,11 +13,10 @@ it lands it stays a "zombie", and every later copy and forward pass is ordered a
 a copy not issued yet, which only `debug_copy_delay_s` makes on the CPU backend, is waited for on the host).
 
 With `ordered_loads` (load_completion "ordered"), a load is reported finished before its bytes land once its copy
-is issued and should land within a step (`landing.LandingEstimate`): until they do it stays "ordered" (`_ordered`),
-every later copy is ordered after it like a zombie's
-(a store may reuse the host slots it still reads), and a forward pass is ordered after it once the scheduler names
-it in a step's `load_fences` (the first step whose forward may read its blocks), and at every step after that until
-it lands. Checksums can fail a load after its copy, so with them every load is reported once landed.
+is issued and should land within a step (`landing.LandingEstimate`). Until they land it stays "ordered"
+(`_ordered`): every later copy is ordered after it like a zombie's (a store may reuse the host slots it still
+reads), and so is every forward pass from the step whose `load_fences` name it (the first whose forward may read
+its blocks) on. Checksums can fail a load after its copy, so with them every load is reported once landed.
 
 With `verify_loads` (a `SlotChecksums`), every store also queues the checksums of its source blocks right after its
 copy, kept per host slot once the store lands, and every load queues the checksums of its destination blocks right
@@ -168,8 +167,8 @@ class TransferEngine:
         self.verify_failures = 0
         self._jobs: dict[int, _InFlight] = {}
         self._zombies: dict[int, _InFlight] = {}  # timed-out loads whose copies have not landed yet
-        # Loads reported finished when their copies were issued (ordered_loads), whose bytes have not landed yet,
-        # and those of them a step's load_fences named (every forward pass from then on is ordered after them).
+        # Loads reported finished before their bytes landed (ordered_loads) and not landed yet, and those of them a
+        # step's load_fences named (every forward pass from then on is ordered after them).
         self._ordered_loads = ordered_loads and checksums is None
         self._ordered: dict[int, _InFlight] = {}
         self._fenced_loads: set[int] = set()
