@@ -236,6 +236,7 @@ def test_in_vllms_scheduler_an_ordered_load_runs_a_step_sooner_and_holds_its_tok
         assert drv.engine.loads_done == 2 and drv.engine.loads_failed == 0
         assert drv.side.counters.loaded_tokens >= 2 * (PREFIX - 128)
         assert drv.idle_invariant()
+        assert not drv._unlanded  # the load reported before it landed was checked once it had
     # The first load teaches the worker the link and the step, so it is reported once landed in both modes; the
     # second is reported before it lands, and its request's first token comes at least a step sooner.
     assert ttft_ordered["back-a"] == ttft_landed["back-a"]
