@@ -13,9 +13,9 @@ Transfers: a job of B bytes takes B / bandwidth seconds on its direction's copy 
 device->host for stores); jobs in one direction run one after another, starting when they are issued (the start of
 the forward of the batch that carries them) or when the previous job ends. The worker reports a job finished at
 the end of the first batch that ends after it, which is when vLLM's worker checks for finished transfers. Our
-connector's worker, with load_completion "ordered", reports a load when its copy is issued instead; the forward pass
-the scheduler then orders after it starts no earlier than the copy's end (`delay_batch_until`), and a copy ordered
-after it starts no earlier either.
+connector's worker, with load_completion "ordered", may report a load before that, once its copy is issued and it
+expects it to land within a step; the forward pass the scheduler then orders after it starts no earlier than the
+copy's end (`delay_batch_until`), and a copy ordered after it starts no earlier either.
 """
 
 from __future__ import annotations
