@@ -36,6 +36,9 @@ def test_defaults_and_suffixes():
     ({"cpu_bytes": 10, "debug_load_delay_steps": -2}, "'debug_load_delay_steps' must be a positive integer"),
     ({"cpu_bytes": 10, "fair_hold_after_steps": -3}, "'fair_hold_after_steps' must be a positive integer"),
     ({"cpu_bytes": 10, "admission_policy": "fifo"}, "'admission_policy' must be one of ['fair', 'greedy']"),
+    ({"cpu_bytes": 10, "load_completion": "soon"}, "'load_completion' must be one of ['ordered', 'landed']"),
+    ({"cpu_bytes": 10, "load_completion": None}, "'load_completion' must be one of ['ordered', 'landed']"),
+    ({"cpu_bytes": 10, "load_completion": ["landed"]}, "'load_completion' must be one of ['ordered', 'landed']"),
     ({"cpu_bytes": 10, "window_checkpoint_tokens": -1}, "'window_checkpoint_tokens' must be a positive integer"),
     ({"cpu_bytes": 10, "window_checkpoint_tokens": 1.5}, "'window_checkpoint_tokens' must be a positive integer"),
 ])
