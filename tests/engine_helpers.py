@@ -131,6 +131,7 @@ def run_engine(script: dict[str, Any], timeout: float = 300.0, log_dir: str | os
             except subprocess.TimeoutExpired:
                 _kill_group(proc)
                 raise EngineRunError(f"engine run exceeded {timeout:.0f} s and was killed\n{_tail(lp)}")
+        _keep(Path(tmp))
         if rc != 0 or not op.exists():
             raise EngineRunError(f"engine run failed (exit {rc})\n{_tail(lp)}")
         result = json.loads(op.read_text())
@@ -140,12 +141,34 @@ def run_engine(script: dict[str, Any], timeout: float = 300.0, log_dir: str | os
         return result
 
 
+def _keep(run_dir: Path) -> None:
+    """With OC_ENGINE_LOG_DIR set (the contention harness, benchmarks/contention.py), keep each engine run's script,
+    result and whole log there, numbered in order, so a failure under load can be examined afterwards."""
+    keep = os.environ.get("OC_ENGINE_LOG_DIR")
+    if not keep:
+        return
+    import shutil
+    dest = Path(keep)
+    dest.mkdir(parents=True, exist_ok=True)
+    n = len(list(dest.glob("engine-*")))
+    shutil.copytree(run_dir, dest / f"engine-{n:03d}-{os.getpid()}")
+
+
 def _tail(path: Path, n: int = 12000) -> str:
     try:
         text = path.read_text(errors="replace")
     except OSError:
         return ""
     return text[-n:]
+
+
+def drained(res: dict[str, Any]) -> dict[str, Any]:
+    """A run's last drain action, asserted to have ended with nothing in flight: an engine exits right after it,
+    and a write (disk, shared tier) still pending then is lost, so a later engine would find a shorter prefix through
+    no fault of the load path. Every drain of the run is checked."""
+    drains = [a for a in res["actions"] if a["op"] == "drain"]
+    assert drains and not any(d["pending"] for d in drains), (drains, res.get("log_tail", "")[-2000:])
+    return drains[-1]
 
 
 def _kill_group(proc: subprocess.Popen) -> None:
@@ -257,6 +280,9 @@ def _child(script_path: str, out_path: str) -> None:
     if script.get("kv_transfer_config"):
         engine_kw["kv_transfer_config"] = script["kv_transfer_config"]
     deadline = time.monotonic() + float(script.get("wall_s", 600))
+    shared_keys: list[dict[str, Any]] = []
+    if script.get("record_shared_keys"):
+        _record_shared_puts(shared_keys)
     llm = LLM(model=script["model"], **engine_kw)
     engine = llm.llm_engine
     core = engine.engine_core.engine_core  # InprocClient -> EngineCore
@@ -301,10 +327,11 @@ def _child(script_path: str, out_path: str) -> None:
                 v = getattr(m, "value", None)
                 if isinstance(v, (int, float)):
                     vals[m.name] = vals.get(m.name, 0.0) + float(v)
-                    source = (getattr(m, "labels", None) or {}).get("source")
-                    if source is not None:  # per-source counters also under name{source=...}
-                        key = f"{m.name}{{source={source}}}"
-                        vals[key] = vals.get(key, 0.0) + float(v)
+                    labels = getattr(m, "labels", None) or {}
+                    for label in ("source", "reason"):  # per-source/per-reason counters also under name{label=...}
+                        if labels.get(label) is not None:
+                            key = f"{m.name}{{{label}={labels[label]}}}"
+                            vals[key] = vals.get(key, 0.0) + float(v)
         return vals
 
     def external_id(internal: str) -> str:
@@ -369,15 +396,22 @@ def _child(script_path: str, out_path: str) -> None:
             result["actions"].append({"op": op, "ok": ok, "steps": tries,
                                       "free_blocks": sched.kv_cache_manager.block_pool.get_num_free_blocks()})
         elif op == "drain":
-            # Step an idle engine until the connector has nothing in flight (stores, disk writes), bounded.
+            # Step an idle engine until the connector has nothing in flight (stores, disk and shared-tier writes),
+            # bounded by wall time (a busy machine makes background writes slow, not wrong), then a few more steps
+            # so the stats of the last completions reach vLLM's metrics. Its metrics are the deltas over the drain.
             side = getattr(sconn, "scheduler_side", None)
+            before = metrics()
             tries = 0
-            while side is not None and side.has_pending_work() and tries < int(act.get("max_steps", 500)):
+            drain_deadline = min(deadline, time.monotonic() + float(act.get("wall_s", 120)))
+            while side is not None and side.has_pending_work() and time.monotonic() < drain_deadline:
                 engine.step()
                 tries += 1
                 time.sleep(0.01)
+            for _ in range(int(act.get("settle_steps", 3))):
+                engine.step()
             result["actions"].append({"op": op, "steps": tries,
-                                      "pending": bool(side is not None and side.has_pending_work())})
+                                      "pending": bool(side is not None and side.has_pending_work()),
+                                      "metrics": _delta(before, metrics())})
         elif op == "state":
             result["actions"].append({"op": op, "scheduler": _scheduler_state(sched, sconn),
                                       "workers": llm.collective_rpc(_worker_state)})
@@ -394,6 +428,8 @@ def _child(script_path: str, out_path: str) -> None:
         result["corrupted"] = injector.corrupted
         result["worker"] = injector.worker_state()
     result["snapshot"] = _snapshot(sconn)
+    if script.get("record_shared_keys"):
+        result["shared_keys"] = shared_keys
     disk = getattr(getattr(sconn, "scheduler_side", None), "disk", None)
     if disk is not None:
         import dataclasses
@@ -404,6 +440,21 @@ def _child(script_path: str, out_path: str) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+def _record_shared_puts(into: list[dict[str, Any]]) -> None:
+    """Record every value this process's shared-tier stores put (store key, data bytes), so that a test can reach
+    them in the store afterwards (e.g. to plant forgeries under exactly those keys)."""
+    from offload_connector.remote import base as rbase
+    orig_put = rbase.RemoteStore.put
+
+    def put(self: Any, keys: Any, buffers: Any) -> list[bool]:
+        ok = orig_put(self, keys, buffers)
+        for name, buf, good in zip(self.keys.names(keys), buffers, ok):
+            if good:
+                into.append({"name": name, "bytes": memoryview(buf).nbytes})
+        return ok
+    rbase.RemoteStore.put = put
 
 
 def _external_for(external: dict[str, int], rid: str) -> int:

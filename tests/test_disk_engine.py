@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.engine_helpers import connector_config, run_engine, vllm_cpu_version, words
+from tests.engine_helpers import connector_config, drained, run_engine, vllm_cpu_version, words
 
 if vllm_cpu_version() is None:
     pytest.skip("engine tests need the vllm-cpu distribution (a real engine on CPU)", allow_module_level=True)
@@ -93,7 +93,9 @@ def runs(model_dir: str, tmp_path_factory) -> dict:
 def test_evicted_prefix_comes_back_from_disk(runs: dict) -> None:
     first = runs["first"]
     base = _out(runs["baseline"], "base")["token_ids"]
+    drained(first)
     again = _out(first, "again")
+    assert again["external_tokens"] == PREFIX
     assert again["token_ids"] == base
     assert again["external_tokens"] == PREFIX
     assert _metric(first, "again", "disk_tier_read_back_blocks") > 0
@@ -103,9 +105,10 @@ def test_evicted_prefix_comes_back_from_disk(runs: dict) -> None:
 
 def test_restarted_engine_loads_what_the_last_one_stored(runs: dict) -> None:
     res = runs["restarted"]
+    drained(runs["first"])
     out = _out(res, "restart")
-    assert out["token_ids"] == _out(runs["baseline"], "base")["token_ids"]
     assert out["external_tokens"] == PREFIX
+    assert out["token_ids"] == _out(runs["baseline"], "base")["token_ids"]
     assert res["disk"]["recovered"] > 0
     assert _metric(res, "restart", "disk_tier_read_back_blocks") > 0
     assert _metric(res, "restart", "loaded_tokens") == PREFIX

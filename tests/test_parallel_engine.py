@@ -27,7 +27,8 @@ import time
 import pytest
 
 from tests.engine_helpers import (
-    EngineRunError, connector_config, omp_bind_one_core_per_rank, run_engine_logged, vllm_cpu_version, word_prompt,
+    EngineRunError, connector_config, drained, omp_bind_one_core_per_rank, run_engine_logged, vllm_cpu_version,
+    word_prompt,
     worker_host_tiers,
 )
 
@@ -186,7 +187,7 @@ def test_tp2_restart_loads_from_every_ranks_disk_file(model_dir: str, tmp_path) 
     store = {"model": model_dir, "engine": _engine(tp, pp), "kv_transfer_config": kv, "wall_s": 400,
              "actions": [{"op": "generate", "requests": [{"id": "warm", "prompt_token_ids": full[:PREFIX + 1],
                                                           "max_tokens": 1}]}, {"op": "drain"}]}
-    run_engine_logged(store, timeout=480, env=env)
+    drained(run_engine_logged(store, timeout=480, env=env))
     files = sorted(p.parent.name for p in (tmp_path / "disk").rglob("slots.bin"))
     assert files == ["dp0-pp0-tp0", "dp0-pp0-tp1"]
     reload = {**store, "actions": [{"op": "generate", "stall_steps": 5000, "requests": [

