@@ -106,6 +106,12 @@ class OffloadConfig:
     # served only once every worker of the engine that wrote it has written its shard.
     remote_store: str | None = None
     remote_options: tuple[tuple[str, Any], ...] = ()
+    # Who may write the shared tier: a file holding a secret (at least 16 bytes, the same file on every engine that
+    # shares the store; never inline, since vLLM logs its configuration). Every value is tagged with an HMAC-SHA256
+    # keyed by it and a value whose tag does not verify is a miss. A shared tier needs one, unless the operator says
+    # with remote_allow_unauthenticated that every writer of the store is trusted (CRC-32 checks only).
+    remote_secret_file: str | None = None
+    remote_allow_unauthenticated: bool = False
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, Any] | None) -> "OffloadConfig":
@@ -180,8 +186,19 @@ class OffloadConfig:
         if values.get("remote_options") and values.get("remote_store") is None:
             raise ConfigError("kv_connector_extra_config: 'remote_options' needs 'remote_store' (one of "
                               "['mooncake', 'redis'])")
+        if "remote_secret_file" in extra:
+            values["remote_secret_file"] = _secret_file(extra.pop("remote_secret_file"))
+        if "remote_allow_unauthenticated" in extra:
+            values["remote_allow_unauthenticated"] = _bool("remote_allow_unauthenticated",
+                                                           extra.pop("remote_allow_unauthenticated"))
         if values.get("remote_store") is not None:
             _check_remote(values["remote_store"], dict(values.get("remote_options", ())))
+            _check_remote_auth(values.get("remote_secret_file"), values.get("remote_allow_unauthenticated", False))
+        elif values.get("remote_secret_file") is not None or values.get("remote_allow_unauthenticated"):
+            key = "remote_secret_file" if values.get("remote_secret_file") is not None \
+                else "remote_allow_unauthenticated"
+            raise ConfigError(f"kv_connector_extra_config: '{key}' needs 'remote_store' (one of "
+                              f"['mooncake', 'redis'])")
         if (values.get("disk_path") is None) != (values.get("disk_bytes", 0) == 0):
             missing = "disk_bytes" if values.get("disk_path") is not None else "disk_path"
             raise ConfigError(f"kv_connector_extra_config: the disk tier needs both 'disk_path' and 'disk_bytes'; "
@@ -371,7 +388,31 @@ def _disk_path(value: Any) -> str | None:
     if not isinstance(value, str) or not value.strip():
         raise ConfigError(f"kv_connector_extra_config: 'disk_path' must be a directory path (a non-empty string) or "
                           f"null; got {value!r}")
+    if "\x00" in value:  # the OS refuses it later with a bare ValueError (a traceback at start-up)
+        raise ConfigError(f"kv_connector_extra_config: 'disk_path' must not contain a NUL byte; got {value!r}")
     return os.path.abspath(os.path.expanduser(value))
+
+
+def _secret_file(value: Any) -> str | None:
+    if value is None:
+        return None
+    if not isinstance(value, str) or not value.strip() or "\x00" in value:
+        raise ConfigError(f"kv_connector_extra_config: 'remote_secret_file' must be the path of a file holding the "
+                          f"shared tier's secret (a non-empty string without NUL bytes) or null; got {value!r}")
+    path = os.path.abspath(os.path.expanduser(value))
+    from offload_connector.remote.secret import read_secret
+    read_secret(path)  # at the edge: a missing, unreadable or short file is one ConfigError now, not at first use
+    return path
+
+
+def _check_remote_auth(secret_file: str | None, allow_unauthenticated: bool) -> None:
+    if secret_file is None and not allow_unauthenticated:
+        raise ConfigError("kv_connector_extra_config: a shared tier ('remote_store') needs 'remote_secret_file' (a "
+                          "file holding a secret of at least 16 bytes, the same on every engine sharing the store), "
+                          "or 'remote_allow_unauthenticated': true to trust every writer of the store")
+    if secret_file is not None and allow_unauthenticated:
+        raise ConfigError("kv_connector_extra_config: 'remote_secret_file' and 'remote_allow_unauthenticated': true "
+                          "exclude each other; give one")
 
 
 def _remote_options(value: Any) -> tuple[tuple[str, Any], ...]:

@@ -67,6 +67,10 @@ _DEFERRALS = ("deferrals_total", (
     "next to in-flight loads), too_big (recomputed: could not fit even in an idle pool), aged_out (deferred too "
     "long; the prefix is recomputed), held_for_older (admission_policy fair: held back this step so that an older "
     "deferred load keeps its room)."))
+_SHARED_REJECTED = ("shared_tier_rejected_blocks_total", (
+    "Values read from the shared tier and refused, by reason: mac / unauthenticated (written without the secret: "
+    "forged, or by an engine without remote_secret_file), corrupt, key, fingerprint, version, format, length. "
+    "Each is a miss; the request recomputes."))
 _GAUGES: dict[str, tuple[str, str]] = {
     m.TIER_USED: ("cpu_tier_used_blocks", "CPU-tier slots in use (one KV block of one group each)."),
     m.TIER_CAPACITY: ("cpu_tier_capacity_blocks", "CPU-tier slots in all."),
@@ -86,7 +90,7 @@ _HISTOGRAMS: dict[str, tuple[str, str]] = {
 
 # Every metric name this module registers, for tests and for whoever checks /metrics.
 METRIC_NAMES: tuple[str, ...] = tuple(
-    PREFIX + name for name, _ in (*_COUNTERS.values(), _DEFERRALS, *_GAUGES.values(), _USAGE,
+    PREFIX + name for name, _ in (*_COUNTERS.values(), _DEFERRALS, _SHARED_REJECTED, *_GAUGES.values(), _USAGE,
                                   *_HISTOGRAMS.values()))
 
 
@@ -107,6 +111,11 @@ class OffloadPromMetrics(KVConnectorPromMetrics):
         for reason in m.DEFERRAL_REASONS:
             self._counters[m.DEFERRAL_PREFIX + reason] = {
                 idx: deferrals.labels(*values, reason) for idx, values in engines}
+        rejected = self._counter_cls(name=PREFIX + _SHARED_REJECTED[0], documentation=_SHARED_REJECTED[1],
+                                     labelnames=[*labelnames, "reason"])
+        for reason in m.SHARED_REJECT_REASONS:
+            self._counters[m.SHARED_REJECTED_PREFIX + reason] = {
+                idx: rejected.labels(*values, reason) for idx, values in engines}
         self._gauges: dict[str, dict[int, Any]] = {}
         # "mostrecent": with several API-server processes the freshest snapshot is the value; vLLM's own gauges
         # do the same.

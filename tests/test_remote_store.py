@@ -130,7 +130,7 @@ def test_fingerprint_from_disk_fingerprint():
 
 @pytest.mark.parametrize("mutate, reason", [
     (lambda v, h: b"XXXX" + v[4:], "format"),
-    (lambda v, h: v[:4] + (2).to_bytes(2, "little") + v[6:], "version"),
+    (lambda v, h: v[:4] + (base.FORMAT_VERSION + 1).to_bytes(2, "little") + v[6:], "version"),
     (lambda v, h: v[:h + 10] + bytes([v[h + 10] ^ 1]) + v[h + 11:], "corrupt"),  # data byte
     (lambda v, h: v[:30] + bytes([v[30] ^ 1]) + v[31:], "corrupt"),  # header byte
     (lambda v, h: v[:-1], "corrupt"),  # torn

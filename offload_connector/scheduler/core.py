@@ -275,6 +275,7 @@ class OffloadScheduler:
         if self.remote is not None:
             r = self.remote.counters
             self.stats.record_remote_tier(r.fetched_blocks, r.write_skips, r.writes_landed)
+            self.stats.record_shared_rejections("markers", self.remote.markers.stats().rejected)
         if self.disk is not None:
             c = self.disk.counters
             self.stats.record_disk_tier(self.disk.used_slots(), self.disk.catalog.num_slots, c.evictions,

@@ -74,7 +74,7 @@ class RemoteTierPlanner:
         found: frozenset = frozenset()
         if ask:
             self.counters.lookups += 1
-            found = frozenset(k for k, ok in zip(ask, self.markers.exists(ask)) if ok)
+            found = frozenset(k for k, ok in zip(ask, self.markers.readable(ask)) if ok)
         answers[part] = (step, found)
         return found
 
@@ -201,6 +201,8 @@ def open_marker_store(config: Any, vllm_config: Any, kv_cache_config: Any, group
         if config.remote_store == "redis" and "socket_timeout_s" not in options:
             # The scheduler's marker calls run inside the engine step: a hung server costs at most this per call.
             options["socket_timeout_s"] = MARKER_TIMEOUT_S
-        return make_remote_store(config.remote_store, fingerprint=fp, **options)
+        from offload_connector.remote.secret import shared_tier_mac_key
+        return make_remote_store(config.remote_store, fingerprint=fp, mac_key=shared_tier_mac_key(config),
+                                 **options)
     except (RemoteConfigError, RemoteUnavailable) as exc:
         raise ConfigError(f"kv_connector_extra_config: 'remote_options': {exc}") from None

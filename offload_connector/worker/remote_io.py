@@ -63,15 +63,17 @@ class WorkerRemoteTier:
 
     @classmethod
     def open(cls, kind: str, options: dict[str, Any], disk_fingerprint: Any, rank: Any, host: Any,
-             group_bytes: Sequence[int]) -> "WorkerRemoteTier":
+             group_bytes: Sequence[int], mac_key: bytes | None = None) -> "WorkerRemoteTier":
         """This worker's client, under a fingerprint of its own shard (model, its blocks' bytes and layers, its TP
-        and PP position)."""
+        and PP position); with `mac_key` it tags its writes and reads only values whose tags verify."""
         from offload_connector.remote import RemoteFingerprint, make_remote_store
         fp = RemoteFingerprint.from_disk(disk_fingerprint, layout="oc-slot", tp_rank=rank.tp, tp_size=rank.tp_size,
                                          pp_rank=rank.pp, pp_size=rank.pp_size)
-        store = make_remote_store(kind, fingerprint=fp, **with_default_timeout(kind, options, FETCH_TIMEOUT_S))
-        logger.info("offload_connector worker side: shared tier %s (tp %d/%d, pp %d/%d)", kind, rank.tp, rank.tp_size,
-                    rank.pp, rank.pp_size)
+        store = make_remote_store(kind, fingerprint=fp, mac_key=mac_key,
+                                  **with_default_timeout(kind, options, FETCH_TIMEOUT_S))
+        logger.info("offload_connector worker side: shared tier %s (tp %d/%d, pp %d/%d, %s)", kind, rank.tp,
+                    rank.tp_size, rank.pp, rank.pp_size,
+                    "values tagged and verified with the secret" if mac_key is not None else "unauthenticated")
         return cls(store, host, group_bytes)
 
     def _buffers(self, keys: Sequence[Any], slots: Sequence[int]) -> list[Any]:
@@ -124,6 +126,10 @@ class WorkerRemoteTier:
         """(bytes written, bytes read, failed operations) since the last call."""
         delta, self._seen = io_deltas(self.store, self._seen)
         return delta
+
+    def rejected(self) -> dict[str, int]:
+        """Values this worker's store refused since it opened, by reason (cumulative)."""
+        return self.store.stats().rejected
 
     def set_epoch(self, epoch: int) -> None:
         self.store.set_epoch(epoch)

@@ -169,8 +169,10 @@ class OffloadWorker:
                                             self.host_tier.tensor, layout.group_bytes, fingerprint, rank)
         if self.config.remote_store is not None:
             from offload_connector.worker.remote_io import WorkerRemoteTier
+            from offload_connector.remote.secret import shared_tier_mac_key
             self.remote = WorkerRemoteTier.open(self.config.remote_store, dict(self.config.remote_options),
-                                                fingerprint, rank, self.host_tier.tensor, layout.group_bytes)
+                                                fingerprint, rank, self.host_tier.tensor, layout.group_bytes,
+                                                mac_key=shared_tier_mac_key(self.config))
 
     # -------------------------------------------------------------- per step
     def fence(self, meta: OffloadMetadata) -> None:
@@ -230,6 +232,7 @@ class OffloadWorker:
             self._remote_done.extend(done)
             self._remote_failed.extend(failed)
             self.stats.record_remote_io(*self.remote.io_deltas())
+            self.stats.record_shared_rejections("worker", self.remote.rejected())
         for result in self.engine.poll():
             job = result.job
             self.stats.record_transfer(result.kind, job.num_blocks, result.nbytes, result.seconds, result.ok,

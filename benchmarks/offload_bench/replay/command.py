@@ -298,7 +298,7 @@ def check_router(args: argparse.Namespace) -> None:
                        f"shared tier; --connectors must be offload or left out (got {args.connectors!r})")
     if args.plot is not None:
         raise ArgError(f"--plot is not available with --engines {args.engines}; use --json")
-    for key in ("remote_store", "remote_options"):
+    for key in ("remote_store", "remote_options", "remote_secret_file", "remote_allow_unauthenticated"):
         if key in args.offload_config:
             raise ArgError(f"--offload-config: {key!r} is set by the shared-tier column with --engines "
                            f"{args.engines} (a simulated store)")

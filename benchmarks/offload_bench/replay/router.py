@@ -41,7 +41,9 @@ PRIVATE, SHARED = "offload (private)", "offload+shared"
 COLUMNS = (PRIVATE, SHARED)
 # The shared column's connector config: the connector's own remote_store path (scheduler planner, worker reads and
 # writes); the kind only names it, sim_store_factory opens the simulated store whatever the kind.
-SHARED_EXTRA = (("remote_store", "redis"),)
+# The simulated store moves tags, not bytes, so there is nothing to authenticate: the column says so explicitly, as an
+# operator must (remote_allow_unauthenticated); the MAC's cost is measured on real bytes (benchmarks/mac_bench.py).
+SHARED_EXTRA = (("remote_store", "redis"), ("remote_allow_unauthenticated", True))
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -79,8 +81,9 @@ class RouterConfig(EngineSettings):
             raise ValueError(f"time_scale must be > 0 (got {self.time_scale})")
         if self.limit is not None and self.limit < 1:
             raise ValueError(f"limit must be >= 1 (got {self.limit})")
-        if any(k in ("remote_store", "remote_options") for k, _ in self.offload_extra):
-            raise ValueError("offload_extra must not set remote_store / remote_options (the shared column sets them)")
+        if any(k in (key for key, _ in SHARED_EXTRA) or k in ("remote_options", "remote_secret_file")
+               for k, _ in self.offload_extra):
+            raise ValueError("offload_extra must not set the shared tier's keys (remote_*: the shared column sets them)")
 
 
 @dataclass

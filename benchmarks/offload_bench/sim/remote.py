@@ -330,6 +330,9 @@ class SimWorkerRemoteTier:
         delta, self._seen = io_deltas(self.store, self._seen)
         return delta
 
+    def rejected(self) -> dict[str, int]:
+        return self.store.stats().rejected
+
     def pending(self) -> int:
         return len(self._writes)
 

@@ -1,0 +1,94 @@
+"""What authenticating the shared tier costs: framing and checking values with the CRC alone against with the
+HMAC-SHA256 tag (`remote_secret_file`), on this machine, one thread, through the code the stores run
+(`remote.base.pack_value` / `check_value`).
+
+Per block size: MB/s of writing (pack: header, CRC, copy, tag) and reading (check: header, CRC or tag, the data view).
+
+    .venv-vllm033/bin/python benchmarks/mac_bench.py [--sizes 32Ki,256Ki,1Mi,4Mi] [--seconds 1] [--json F]
+
+Exit status 2 with one line for a bad argument.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))
+
+from offload_connector.remote import base  # noqa: E402
+
+KEY = base.derive_mac_key(b"benchmark secret, 32 bytes long!")
+
+
+def parse_size(text: str) -> int:
+    units = {"Ki": 1 << 10, "Mi": 1 << 20}
+    for u, mult in units.items():
+        if text.endswith(u):
+            return int(text[:-2]) * mult
+    return int(text)
+
+
+def rate(fn: Any, nbytes: int, seconds: float) -> float:
+    """MB/s (10^6 bytes per second) of calling fn() repeatedly for about `seconds` (after one warm-up call)."""
+    fn()
+    n, t0 = 0, time.perf_counter()
+    while True:
+        fn()
+        n += 1
+        dt = time.perf_counter() - t0
+        if dt >= seconds:
+            return n * nbytes / dt / 1e6
+
+
+def measure(size: int, seconds: float) -> dict[str, Any]:
+    fp = base.RemoteFingerprint(model="bench", layout="x", dtype="bf16", group_block_bytes=(size,), block_sizes=(16,))
+    name = base.RemoteKey(fp).name(0, b"\x01" * 32)
+    digest = fp.digest()
+    data = os.urandom(size)
+    plain = base.pack_value(digest, name, data)
+    tagged = base.pack_value(digest, name, data, KEY)
+    assert bytes(base.check_value(tagged, digest, name, size, KEY)[0]) == data
+    row = {"block_bytes": size}
+    row["write_crc_MBps"] = rate(lambda: base.pack_value(digest, name, data), size, seconds)
+    row["write_mac_MBps"] = rate(lambda: base.pack_value(digest, name, data, KEY), size, seconds)
+    row["read_crc_MBps"] = rate(lambda: base.check_value(plain, digest, name, size), size, seconds)
+    row["read_mac_MBps"] = rate(lambda: base.check_value(tagged, digest, name, size, KEY), size, seconds)
+    return row
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--sizes", default="32Ki,256Ki,1Mi,4Mi", help="value sizes (bytes, or with Ki/Mi), comma-separated")
+    p.add_argument("--seconds", type=float, default=1.0, help="time per measurement")
+    p.add_argument("--json", default=None, help="write the rows here")
+    args = p.parse_args(argv)
+    try:
+        sizes = [parse_size(x.strip()) for x in args.sizes.split(",") if x.strip()]
+        if not sizes or any(s <= 0 or s > 1 << 30 for s in sizes):
+            raise ValueError
+    except ValueError:
+        print(f"mac_bench: --sizes must be sizes in 1..1Gi such as 32Ki,1Mi; got {args.sizes!r}", file=sys.stderr)
+        return 2
+    if not 0 < args.seconds <= 60:
+        print(f"mac_bench: --seconds must be in (0, 60]; got {args.seconds}", file=sys.stderr)
+        return 2
+    rows = [measure(s, args.seconds) for s in sizes]
+    print(f"| block | write, CRC | write, CRC + tag | read, CRC | read, tag | (MB/s, one thread, {os.cpu_count()} "
+          f"CPUs)")
+    print("|---:|---:|---:|---:|---:|")
+    for r in rows:
+        print(f"| {r['block_bytes'] >> 10} KiB | {r['write_crc_MBps']:,.0f} | {r['write_mac_MBps']:,.0f} | "
+              f"{r['read_crc_MBps']:,.0f} | {r['read_mac_MBps']:,.0f} |")
+    if args.json:
+        Path(args.json).write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
