@@ -435,6 +435,9 @@ def _check_remote(kind: str, options: dict[str, Any]) -> None:
     try:
         from offload_connector.remote.base import check_options
         check_options(kind, options, accepted)
+        check_static = getattr(module, "check_static", None)  # values a backend can check without its server
+        if check_static is not None:
+            check_static(options)
     except RemoteConfigError as exc:
         raise ConfigError(f"kv_connector_extra_config: 'remote_options': {exc}") from None
 

@@ -54,6 +54,7 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
         f[name] = str(p)
 
     put("good.jsonl", GOOD)
+    put("short-secret", "only 10 b\n")
     put("binary.jsonl", b"\x89PNG\r\n\x1a\n" + bytes(range(256)) * 40)  # a PNG header
     put("fake.jsonl.gz", b"\x1f\x8b\x08\x00" + b"not really gzip" * 10)
     put("plain-named.gz", GOOD)
@@ -192,6 +193,50 @@ CASES: list[tuple[str, Any, str]] = [
      _sub("replay", "--offload-config", '{"max_deferral_steps": 1e300}'), "at most"),
     ("replay --offload-config debug_corrupt_load",
      _sub("replay", "--offload-config", '{"debug_corrupt_load": true}'), "test-only"),
+    # ---- replay: the tiers' keys (checked at the edge, before vLLM)
+    ("replay --offload-config disk_path with a NUL byte",
+     _sub("replay", "--offload-config", '{"disk_path": "/tmp/a\\u0000b", "disk_bytes": "1Gi"}'), "NUL byte"),
+    ("replay --offload-config remote_store without a secret",
+     _sub("replay", "--offload-config", '{"remote_store": "redis", "remote_options": {"url": "redis://h:1/0"}}'),
+     "needs 'remote_secret_file'"),
+    ("replay --offload-config remote_secret_file <missing>",
+     _sub("replay", "--offload-config", '{"remote_store": "redis", "remote_secret_file": "{missing-dir}/s"}'),
+     "is not a regular file"),
+    ("replay --offload-config remote_secret_file <10 bytes>",
+     _sub("replay", "--offload-config", '{"remote_store": "redis", "remote_secret_file": "{short-secret}"}'),
+     "needs at least 16"),
+    ("replay --offload-config remote_secret_file <directory>",
+     _sub("replay", "--offload-config", '{"remote_store": "redis", "remote_secret_file": "{outdir}"}'),
+     "is not a regular file"),
+    ("replay --offload-config remote_secret_file with a NUL byte",
+     _sub("replay", "--offload-config", '{"remote_store": "redis", "remote_secret_file": "a\\u0000b"}'),
+     "without NUL bytes"),
+    ("replay --offload-config remote_secret_file and remote_allow_unauthenticated",
+     _sub("replay", "--offload-config", '{"remote_store": "redis", "remote_secret_file": "{short-secret}", '
+                                        '"remote_allow_unauthenticated": true}'), "needs at least 16"),
+    ("replay --offload-config remote_allow_unauthenticated \"yes\"",
+     _sub("replay", "--offload-config", '{"remote_store": "redis", "remote_allow_unauthenticated": "yes"}'),
+     "must be true or false"),
+    ("replay --offload-config remote_allow_unauthenticated without remote_store",
+     _sub("replay", "--offload-config", '{"remote_allow_unauthenticated": true}'), "needs 'remote_store'"),
+    ("replay --offload-config remote_options password_file <missing>",
+     _sub("replay", "--offload-config", '{"remote_store": "redis", "remote_allow_unauthenticated": true, '
+                                        '"remote_options": {"password_file": "{missing-dir}/pw"}}'), "cannot be read"),
+    ("replay --offload-config remote_options password and password_file",
+     _sub("replay", "--offload-config", '{"remote_store": "redis", "remote_allow_unauthenticated": true, '
+                                        '"remote_options": {"password": "x", "password_file": "{short-secret}"}}'),
+     "exclude each other"),
+    ("replay --offload-config remote_options tls over a unix socket",
+     _sub("replay", "--offload-config", '{"remote_store": "redis", "remote_allow_unauthenticated": true, '
+                                        '"remote_options": {"tls": true, "unix_socket_path": "/tmp/s"}}'),
+     "TLS options need"),
+    ("replay --offload-config remote_options tls_ca_file <missing>",
+     _sub("replay", "--offload-config", '{"remote_store": "redis", "remote_allow_unauthenticated": true, '
+                                        '"remote_options": {"url": "rediss://h:1/0", "tls_ca_file": "{missing-dir}/ca"}}'),
+     "is not a file"),
+    ("replay --offload-config remote_options unix_socket_path with a NUL byte",
+     _sub("replay", "--offload-config", '{"remote_store": "redis", "remote_allow_unauthenticated": true, '
+                                        '"remote_options": {"unix_socket_path": "/tmp/a\\u0000b"}}'), "NUL byte"),
     ("replay --model nope", _sub("replay", "--model", "nope"), "neither a bundled model"),
     ("replay --model <config.json not JSON>", _sub("replay", "--model", "{model-bad/config.json}"), "not valid JSON"),
     ("replay --model <config.json nested 100,000 deep>", _sub("replay", "--model", "{model-deep/config.json}"),
@@ -299,6 +344,9 @@ def _expand(argv: list[str], files: dict[str, str]) -> list[str]:
             name, rest = a[1:].split("}", 1)
             if name in files:
                 a = files[name] + rest
+        elif a.startswith("{\""):  # a JSON argument: fixture paths inside its strings, JSON-escaped
+            for name, path in files.items():
+                a = a.replace("{" + name + "}", json.dumps(path)[1:-1])
         out.append(a)
     return out
 

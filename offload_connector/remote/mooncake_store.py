@@ -35,6 +35,18 @@ _SHIM_SONAMES = ("libnl-3.so.200", "libnl-route-3.so.200", "libibverbs.so.1", "l
                  "libcudart.so.12")
 
 
+def check_static(opts: dict[str, Any]) -> None:
+    """What `config` checks before start-up, without a master: the string options and the protocol."""
+    for name in ("master_server_address", "metadata_server", "local_hostname", "lib_path", "namespace"):
+        if name in opts:
+            opt_str(KIND, name, opts[name])
+    if "device_name" in opts:
+        opt_str(KIND, "device_name", opts["device_name"], allow_empty=True)
+    if opts.get("protocol", "tcp") not in PROTOCOLS:
+        raise RemoteConfigError(f"remote store 'mooncake': option 'protocol' must be one of {list(PROTOCOLS)}; "
+                                f"got {opts['protocol']!r}")
+
+
 def _preload(lib_path: str) -> list[str]:
     """Load the shim libraries found in `lib_path` (dirs, colon-separated) with RTLD_GLOBAL, so the dynamic
     loader satisfies store.so's dependencies by soname. Returns the files loaded."""

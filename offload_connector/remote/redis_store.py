@@ -42,6 +42,49 @@ def _read_password(path: str) -> str:
     return text
 
 
+def access_options(opts: dict[str, Any], into: dict[str, Any] | None = None) -> bool:
+    """Check the access options (credentials, TLS) without a server, so a bad one stops start-up at the edge
+    (`config`) rather than when the store opens; with `into`, add the redis-py keyword arguments they mean. Returns
+    whether TLS is on. One RemoteConfigError line naming the option otherwise."""
+    common: dict[str, Any] = {} if into is None else into
+    for name in ("password", "username"):
+        if name in opts:
+            common[name] = opt_str(KIND, name, opts[name])
+    if "password_file" in opts:
+        if "password" in opts:
+            raise RemoteConfigError("remote store 'redis': options 'password' and 'password_file' exclude each "
+                                    "other; give one")
+        common["password"] = _read_password(opt_str(KIND, "password_file", opts["password_file"]))
+    tls = opts.get("tls", False)
+    if not isinstance(tls, bool):
+        raise RemoteConfigError(f"remote store 'redis': option 'tls' must be true or false; got {tls!r}")
+    for name, kwarg in TLS_FILES:
+        if name in opts:
+            path = opt_str(KIND, name, opts[name])
+            if not os.path.isfile(path):
+                raise RemoteConfigError(f"remote store 'redis': option {name!r} {path!r} is not a file")
+            common[kwarg] = path
+    url = opts.get("url")
+    wants_tls = tls or any(name in opts for name, _ in TLS_FILES) or (isinstance(url, str)
+                                                                       and url.startswith("rediss://"))
+    if wants_tls:
+        if "unix_socket_path" in opts:
+            raise RemoteConfigError("remote store 'redis': TLS options need 'url' (rediss://) or 'host'; "
+                                    "'unix_socket_path' is a local socket")
+        if url is not None and not str(url).startswith("rediss://"):
+            raise RemoteConfigError(f"remote store 'redis': TLS options need a rediss:// URL; got {url!r}")
+        common["ssl_cert_reqs"] = "required"
+    return wants_tls
+
+
+def check_static(opts: dict[str, Any]) -> None:
+    """What `config` checks before start-up, without a server: the string options and the access options."""
+    for name in ("url", "host", "unix_socket_path", "namespace"):
+        if name in opts:
+            opt_str(KIND, name, opts[name])
+    access_options(opts)
+
+
 class RedisRemoteStore(RemoteStore):
     """`RedisRemoteStore(fp, url="redis://host:6379/0")`, or host/port/db, or unix_socket_path, or an existing
     `redis.Redis` as `client` (not closed by `close()`). `retries` (default 1, no backoff) and `socket_timeout_s`
@@ -79,32 +122,7 @@ class RedisRemoteStore(RemoteStore):
                         f"remote store 'redis': option 'socket_timeout_s' must be a positive number; got {t!r}")
                 common["socket_timeout"] = float(t)
                 common["socket_connect_timeout"] = float(t)
-            for name in ("password", "username"):
-                if name in opts:
-                    common[name] = opt_str(KIND, name, opts[name])
-            if "password_file" in opts:
-                if "password" in opts:
-                    raise self._conflict(["password", "password_file"])
-                common["password"] = _read_password(opt_str(KIND, "password_file", opts["password_file"]))
-            tls = opts.get("tls", False)
-            if not isinstance(tls, bool):
-                raise RemoteConfigError(f"remote store 'redis': option 'tls' must be true or false; got {tls!r}")
-            for name, kwarg in TLS_FILES:
-                if name in opts:
-                    path = opt_str(KIND, name, opts[name])
-                    if not os.path.isfile(path):
-                        raise RemoteConfigError(f"remote store 'redis': option {name!r} {path!r} is not a file")
-                    common[kwarg] = path
-            wants_tls = tls or any(name in opts for name, _ in TLS_FILES) or \
-                str(opts.get("url", "")).startswith("rediss://")
-            if wants_tls:
-                if "unix_socket_path" in opts:
-                    raise RemoteConfigError("remote store 'redis': TLS options need 'url' (rediss://) or 'host'; "
-                                            "'unix_socket_path' is a local socket")
-                if "url" in opts and not str(opts["url"]).startswith("rediss://"):
-                    raise RemoteConfigError("remote store 'redis': TLS options need a rediss:// URL; got "
-                                            f"{opts['url']!r}")
-                common["ssl_cert_reqs"] = "required"
+            wants_tls = access_options(opts, common)
             if "max_connections" in opts:
                 common["max_connections"] = opt_int(KIND, "max_connections", opts["max_connections"], 1)
             ways = [w for w in ("url", "unix_socket_path", "host") if w in opts]
