@@ -3,6 +3,9 @@ HMAC-SHA256 tag (`remote_secret_file`), on this machine, one thread, through the
 (`remote.base.pack_value` / `check_value`).
 
 Per block size: MB/s of writing (pack: header, CRC, copy, tag) and reading (check: header, CRC or tag, the data view).
+With `--replay-json` (results of `offload-connector replay --engines 2 ... --json`, whose simulated store moves tags,
+not bytes, and charges no check) the cost per shared-tier fetch of that replay is estimated from these rates: its
+bytes fetched per fetch, checked with the CRC alone and with the tag, against the fetch time the replay charged.
 
     .venv-vllm033/bin/python benchmarks/mac_bench.py [--sizes 32Ki,256Ki,1Mi,4Mi] [--seconds 1] [--json F]
 
@@ -62,11 +65,36 @@ def measure(size: int, seconds: float) -> dict[str, Any]:
     return row
 
 
+def per_fetch(path: str, rows: list[dict[str, Any]]) -> list[str]:
+    """Lines estimating what the check costs per shared-tier fetch of a router replay, at the measured read rates of
+    the block size closest to that replay's blocks."""
+    doc = json.loads(Path(path).read_text())
+    lines = []
+    cfg = doc.get("config", {})
+    for res in doc.get("results", []):
+        extra = res.get("extra") or {}
+        fetches, nbytes, blocks = (extra.get("shared_fetches"), extra.get("shared_bytes_fetched"),
+                                   extra.get("shared_blocks_fetched"))
+        if not fetches or not nbytes or not blocks:
+            continue
+        per, block = nbytes / fetches, nbytes / blocks
+        row = min(rows, key=lambda r: abs(r["block_bytes"] - block))
+        crc_ms = per / (row["read_crc_MBps"] * 1e6) * 1e3
+        mac_ms = per / (row["read_mac_MBps"] * 1e6) * 1e3
+        link_ms = cfg.get("shared_latency_ms", 0.0) + per / (cfg.get("shared_bandwidth_gbps", 10.0) * 1e9) * 1e3
+        lines.append(f"{path}: {fetches} fetches, {per / 1e6:,.1f} MB each ({block / 1024:,.0f} KiB blocks): checking "
+                     f"one fetch takes {crc_ms:.1f} ms with the CRC alone, {mac_ms:.1f} ms with the tag "
+                     f"(+{mac_ms - crc_ms:.1f} ms, one thread, rates of the {row['block_bytes'] >> 10} KiB row); the "
+                     f"replay charged {link_ms:.1f} ms of link time per fetch and no check")
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--sizes", default="32Ki,256Ki,1Mi,4Mi", help="value sizes (bytes, or with Ki/Mi), comma-separated")
+    p.add_argument("--sizes", default="32Ki,384Ki,2560Ki", help="value sizes (bytes, or with Ki/Mi), comma-separated")
     p.add_argument("--seconds", type=float, default=1.0, help="time per measurement")
     p.add_argument("--json", default=None, help="write the rows here")
+    p.add_argument("--replay-json", nargs="*", default=[], help="router replay results to estimate per fetch")
     args = p.parse_args(argv)
     try:
         sizes = [parse_size(x.strip()) for x in args.sizes.split(",") if x.strip()]
@@ -79,12 +107,19 @@ def main(argv: list[str] | None = None) -> int:
         print(f"mac_bench: --seconds must be in (0, 60]; got {args.seconds}", file=sys.stderr)
         return 2
     rows = [measure(s, args.seconds) for s in sizes]
-    print(f"| block | write, CRC | write, CRC + tag | read, CRC | read, tag | (MB/s, one thread, {os.cpu_count()} "
-          f"CPUs)")
+    print(f"MB/s, one thread, {os.cpu_count()} CPUs (as RemoteStore.put / get frame and check values)")
+    print("| block | write, CRC | write, CRC + tag | read, CRC | read, tag |")
     print("|---:|---:|---:|---:|---:|")
     for r in rows:
         print(f"| {r['block_bytes'] >> 10} KiB | {r['write_crc_MBps']:,.0f} | {r['write_mac_MBps']:,.0f} | "
               f"{r['read_crc_MBps']:,.0f} | {r['read_mac_MBps']:,.0f} |")
+    for path in args.replay_json:
+        try:
+            for line in per_fetch(path, rows):
+                print(line)
+        except (OSError, ValueError) as exc:
+            print(f"mac_bench: --replay-json {path}: {exc}", file=sys.stderr)
+            return 2
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
     return 0

@@ -188,9 +188,9 @@ def test_engine_a_wrote_through_and_a_separate_namespace_shares_nothing(runs: di
     # The write-through runs on a background thread and is reported when it lands, which on a busy machine may be
     # after the request's last step: count what the generate action and the drain after it saw together.
     wrote = _action(runs["a"], "a")["metrics"]
-    drained = drained(runs["a"])["metrics"]
+    after = drained(runs["a"])["metrics"]
     assert wrote.get("vllm:offload_connector_shared_tier_written_bytes", 0) \
-        + drained.get("vllm:offload_connector_shared_tier_written_bytes", 0) > 0, (wrote, drained)
+        + after.get("vllm:offload_connector_shared_tier_written_bytes", 0) > 0, (wrote, after)
     act = _action(runs["c"], "c")
     assert act["outputs"]["c"]["external_tokens"] == 0
     assert act["outputs"]["c"]["token_ids"] == _action(base, "base")["outputs"]["base"]["token_ids"]
@@ -219,6 +219,9 @@ def test_forged_blocks_are_refused_counted_and_recomputed_with_the_secret(runs: 
     assert m.get("vllm:offload_connector_loaded_tokens", 0) == 0, m
     assert m.get("vllm:offload_connector_load_failures", 0) >= 1, m
     assert out["token_ids"] == _action(base, "base")["outputs"]["base"]["token_ids"]
-    # Logged once per reason, never the secret.
-    assert log.count("refused a value that carries no tag") <= 1, log[-3000:]
+    # Logged once per store and reason (the worker's shard store; the scheduler's marker store also refuses the
+    # untagged markers the trusting engine wrote), never the secret.
+    lines = [ln for ln in log.splitlines() if "refused a value that" in ln]
+    seen = [(ln.split("(first: ")[1].split("/")[2], "no tag" in ln) for ln in lines]
+    assert lines and len(seen) == len(set(seen)), lines
     assert "the secret every engine" not in log
