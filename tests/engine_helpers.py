@@ -326,6 +326,8 @@ def _child(script_path: str, out_path: str) -> None:
     shared_keys: list[dict[str, Any]] = []
     if script.get("record_shared_keys"):
         _record_shared_puts(shared_keys)
+    if script.get("late_copies"):
+        _late_copies(**script["late_copies"])
     llm = LLM(model=script["model"], **engine_kw)
     engine = llm.llm_engine
     core = engine.engine_core.engine_core  # InprocClient -> EngineCore
@@ -498,6 +500,55 @@ def _child(script_path: str, out_path: str) -> None:
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0)
+
+
+class _LateCompletion:
+    """A host copy that lands `delay_s` after it was issued, on a timer thread: a load in flight across the forward
+    passes that follow, as a GPU copy is (the CPU backend's copies are synchronous)."""
+
+    def __init__(self, run: Any, delay_s: float) -> None:
+        import threading
+        self._done = threading.Event()
+        self.error: str | None = None
+
+        def land() -> None:
+            try:
+                run()
+            except Exception as exc:  # noqa: BLE001 - reported as the copy's failure
+                self.error = str(exc) or type(exc).__name__
+            finally:
+                self._done.set()
+        threading.Timer(delay_s, land).start()
+
+    def query(self) -> bool:
+        return self._done.is_set()
+
+    def wait(self) -> None:
+        if not self._done.wait(60):
+            raise RuntimeError("a late copy did not land within 60 s")
+
+    def order_before(self, stream: Any) -> None:
+        self.wait()  # no stream on the CPU backend: work after it waits on the host
+
+
+def _late_copies(delay_s: float, report_early: bool = True, fenced: bool = True) -> None:
+    """Test aid for ordered load reports in a real CPU engine: every load's copy (host -> KV cache) lands `delay_s`
+    after it is issued; with `report_early` the worker treats every issued load as landing within a step, so it is
+    reported to vLLM at once and the next forward must wait for it (the load fence). `fenced=False` removes that
+    fence, to show the comparison catches a forward that reads a load before it landed."""
+    from offload_connector.kernels import host_copy
+    from offload_connector.worker import landing, transfers
+    real = host_copy.HostCopier._copy
+
+    def copy(self: Any, direction: str, ids: Any, stream: Any) -> Any:
+        if direction != "h2d":
+            return real(self, direction, ids, stream)
+        return _LateCompletion(lambda: real(self, direction, ids, stream), delay_s)
+    host_copy.HostCopier._copy = copy
+    if report_early:
+        landing.LandingEstimate.lands_within_a_step = lambda self, job_id: True
+    if not fenced:
+        transfers.TransferEngine.order_compute_after_loads = lambda self, job_ids: None
 
 
 def _record_shared_puts(into: list[dict[str, Any]]) -> None:

@@ -436,6 +436,30 @@ def test_a_load_past_its_deadline_is_recomputed(model_dir: str, pinned_baseline:
     _no_leaks(res)
 
 
+@pytest.mark.parametrize("fenced", [True, False], ids=["fenced", "fence-removed"])
+def test_a_load_reported_before_it_lands_is_never_read_early(model_dir: str, pinned_baseline: dict,
+                                                             fenced: bool) -> None:
+    """Ordered load reports in a real engine: every load's copy lands 0.5 s after it is issued (a timer thread in
+    place of the synchronous CPU copy) and is reported to vLLM at once, so the request is scheduled while its KV is
+    still arriving. The scheduler names the load in the next step's fences and that forward waits for the copy: the
+    output is the reference. With the fence removed the forward reads the blocks before the copy landed and the
+    output changes, which is what this comparison is there to catch."""
+    kv = _recompute(connector_config(cpu_bytes="256Mi"))
+    script = _reload_only(model_dir, kv, {"stall_steps": 10**9, "max_steps": 10**9})
+    script["late_copies"] = {"delay_s": 0.5, "report_early": True, "fenced": fenced}
+    res = run_engine(script, timeout=420, env=PINNED)
+    got = _out(res, "reload")
+    assert got["external_tokens"] == PREFIX, got
+    metrics = _action(res, "reload")["metrics"]
+    assert metrics.get("vllm:offload_connector_loads_reported_early", 0) >= 1, metrics
+    assert metrics.get("vllm:offload_connector_load_failures", 0) == 0, metrics
+    if fenced:
+        assert got["token_ids"] == _out(pinned_baseline, "reload")["token_ids"]
+        _no_leaks(res)
+    else:
+        assert got["token_ids"] != _out(pinned_baseline, "reload")["token_ids"]
+
+
 def test_loaded_tokens_counts_what_landed(offloaded: dict) -> None:
     """Our counter against vLLM's on a load that lands: equal. (The corrupt action's load lands too: the test
     harness corrupts it after the worker reported it.)"""
