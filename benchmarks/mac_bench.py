@@ -106,6 +106,10 @@ def main(argv: list[str] | None = None) -> int:
     if not 0 < args.seconds <= 60:
         print(f"mac_bench: --seconds must be in (0, 60]; got {args.seconds}", file=sys.stderr)
         return 2
+    for path in args.replay_json:
+        if not Path(path).is_file():
+            print(f"mac_bench: --replay-json {path}: not a file", file=sys.stderr)
+            return 2
     rows = [measure(s, args.seconds) for s in sizes]
     print(f"MB/s, one thread, {os.cpu_count()} CPUs (as RemoteStore.put / get frame and check values)")
     print("| block | write, CRC | write, CRC + tag | read, CRC | read, tag |")
