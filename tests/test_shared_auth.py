@@ -17,7 +17,7 @@ from offload_connector.config import ConfigError, OffloadConfig
 from offload_connector.remote.secret import read_secret, shared_tier_mac_key
 from offload_connector.remote import RemoteFingerprint, derive_mac_key, make_remote_store
 from offload_connector.remote import base
-from tests.test_remote_store import BLOCK, FP, MooncakeBackend, RedisBackend, block
+from tests.test_remote_store import BLOCK, FP, backend, block  # noqa: F401 - backend: both real stores, a fixture
 
 KEY_A = derive_mac_key(b"secret of the engines that share" * 2)
 KEY_B = derive_mac_key(b"a different secret, same length!" * 2)
@@ -77,14 +77,6 @@ def test_reject_reasons_agree_with_the_metric():
 
 
 # -- both real stores ---------------------------------------------------------------------------------------------------
-@pytest.fixture(scope="module", params=["redis", "mooncake"])
-def backend(request, tmp_path_factory):
-    tmp = tmp_path_factory.mktemp(request.param)
-    b = RedisBackend(tmp) if request.param == "redis" else MooncakeBackend(tmp)
-    yield b
-    b.close()
-
-
 def _store(backend, namespace: str, mac_key: bytes | None):
     return make_remote_store(backend.kind, fingerprint=FP, client=backend.client, namespace=namespace,
                              mac_key=mac_key, **backend.shared_opts)
