@@ -45,5 +45,5 @@ def make_remote_store(kind: str, *, mac_key: bytes | None = None, **opts: Any) -
     return store
 
 
-__all__ = ["FORMAT_VERSION", "REMOTE_STORES", "derive_mac_key", "RemoteConfigError", "RemoteFingerprint", "RemoteKey", "RemoteStats",
-           "RemoteStore", "RemoteUnavailable", "make_remote_store"]
+__all__ = ["FORMAT_VERSION", "REMOTE_STORES", "RemoteConfigError", "RemoteFingerprint", "RemoteKey", "RemoteStats",
+           "RemoteStore", "RemoteUnavailable", "derive_mac_key", "make_remote_store"]

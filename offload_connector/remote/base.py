@@ -136,7 +136,6 @@ class RemoteKey:
         return [self.name(g, h) for g, h in keys]
 
 
-
 @dataclass
 class RemoteStats:
     """Counters since the store was opened (read them with `RemoteStore.stats()`, a copy)."""

@@ -58,8 +58,6 @@ def _as_bytes_view(buf) -> memoryview:
     return mv.cast("B") if (mv.format != "B" or mv.ndim != 1) else mv
 
 
-
-
 def header_bytes(key: str, tagged: bool = False) -> int:
     """Bytes a value of `key` carries besides its data (header, and the tag of an authenticated store)."""
     return _HDR.size + len(key.encode()) + _CRC.size + (TAG_BYTES if tagged else 0)
@@ -136,4 +134,3 @@ def check_value(value, digest: bytes, key: str, expected_len: int | None = None,
     if mac_key is None and crc32(body) != data_crc:  # a verified tag already covers every byte the CRC does
         return None, "corrupt"
     return body, ""
-
