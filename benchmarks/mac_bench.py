@@ -21,10 +21,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
-
-from offload_connector.remote import base  # noqa: E402
+from offload_connector.remote import base
 
 KEY = base.derive_mac_key(b"benchmark secret, 32 bytes long!")
 

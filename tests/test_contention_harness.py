@@ -1,0 +1,59 @@
+"""The contention harness (benchmarks/contention.py) itself: its JUnit reading and summary, and one real run of a
+fast test beside a burner, with the summary it writes. The harness's runs of the engine tests are its own job
+(scripts/contention), not part of the suite."""
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import importlib.util
+
+ROOT = Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("contention", ROOT / "benchmarks" / "contention.py")
+contention = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(contention)
+
+JUNIT = """<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="pytest">
+<testcase classname="tests.test_x" name="test_ok" time="1.5"/>
+<testcase classname="tests.test_x" name="test_bad" time="2"><failure message="AssertionError: 335 != 188">x</failure>
+</testcase>
+<testcase classname="tests.test_x" name="test_err" time="0"><error message="fixture died">y</error></testcase>
+<testcase classname="tests.test_x" name="test_skip" time="0"><skipped message="no store"/></testcase>
+</testsuite></testsuites>"""
+
+
+def test_junit_is_read_and_summarized(tmp_path):
+    xml = tmp_path / "junit.xml"
+    xml.write_text(JUNIT)
+    cases = contention.parse_junit(xml)
+    assert [(c["test"], c["outcome"]) for c in cases] == [
+        ("tests/test_x.py::test_ok", "passed"), ("tests/test_x.py::test_bad", "failed"),
+        ("tests/test_x.py::test_err", "error"), ("tests/test_x.py::test_skip", "skipped")]
+    assert cases[1]["message"] == "AssertionError: 335 != 188"
+    per = contention.summarize([{"run": 1, "cases": cases}, {"run": 2, "cases": cases[:1]}])
+    assert per["tests/test_x.py::test_ok"]["passed"] == 2
+    assert per["tests/test_x.py::test_bad"]["failures"] == [{"run": 1, "message": "AssertionError: 335 != 188"}]
+    assert "| `tests/test_x.py::test_bad` | 0 | 1 | 0 | 0 |" in contention.table(per)
+    assert contention.parse_junit(tmp_path / "missing.xml") == []
+
+
+def test_one_run_beside_a_burner(tmp_path):
+    out = tmp_path / "out"
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "contention.py"), "--runs", "1", "--burners", "1",
+                           "--burn", "cpu", "--python", sys.executable, "--out", str(out),
+                           "--tests", "tests/test_shared_auth.py::test_derive_mac_key"],
+                          cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stdout + proc.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["done"] == 1 and summary["burners"] == 1
+    assert summary["per_test"]["tests/test_shared_auth.py::test_derive_mac_key"]["passed"] == 1
+    assert (out / "run-001" / "junit.xml").exists()
+
+
+def test_bad_arguments_are_one_line_and_exit_2():
+    for argv in (["--runs", "0"], ["--burners", "-1"], ["--tests", "tests/nope.py"], ["--bogus"]):
+        proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "contention.py"), *argv], cwd=ROOT,
+                              capture_output=True, text=True, timeout=60)
+        assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, (argv, proc.stderr)
