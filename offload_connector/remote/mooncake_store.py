@@ -115,20 +115,16 @@ class MooncakeRemoteStore(RemoteStore):
         if "master_server_address" not in opts:
             raise RemoteConfigError("remote store 'mooncake': option 'master_server_address' is required "
                                     "(host:port of mooncake_master)")
+        check_static(opts)  # the string options and the protocol, as config checks them at the edge
         master = opt_str(KIND, "master_server_address", opts["master_server_address"])
         metadata = opt_str(KIND, "metadata_server", opts.get("metadata_server", "P2PHANDSHAKE"))
         hostname = opt_str(KIND, "local_hostname", opts.get("local_hostname", "127.0.0.1"))
         protocol = opts.get("protocol", "tcp")
-        if protocol not in PROTOCOLS:
-            raise RemoteConfigError(f"remote store 'mooncake': option 'protocol' must be one of {list(PROTOCOLS)}; "
-                                    f"got {protocol!r}")
         device = opt_str(KIND, "device_name", opts.get("device_name", ""), allow_empty=True)
         segment = opt_int(KIND, "global_segment_size", opts.get("global_segment_size", 512 << 20), 0)
         need = fingerprint.slot_bytes + header_bytes(self.keys.name(0, b"\0" * 64), tagged=True)
         local = opt_int(KIND, "local_buffer_size", opts.get("local_buffer_size", max(64 << 20, 2 * need)), need)
         lib_path = opts.get("lib_path")
-        if lib_path is not None:
-            opt_str(KIND, "lib_path", lib_path)
         mc = import_client(lib_path)
         self._config = mc.ReplicateConfig()
         self._config.replica_num = self._replicas
