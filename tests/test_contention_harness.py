@@ -57,3 +57,20 @@ def test_bad_arguments_are_one_line_and_exit_2():
         proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "contention.py"), *argv], cwd=ROOT,
                               capture_output=True, text=True, timeout=60)
         assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, (argv, proc.stderr)
+
+
+def test_resume_counts_the_runs_already_there(tmp_path):
+    out = tmp_path / "out"
+    base = [sys.executable, str(ROOT / "benchmarks" / "contention.py"), "--burners", "0", "--python", sys.executable,
+            "--out", str(out), "--tests", "tests/test_shared_auth.py::test_derive_mac_key"]
+    first = subprocess.run([*base, "--runs", "1"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert first.returncode == 0, first.stdout + first.stderr
+    again = subprocess.run([*base, "--runs", "2", "--resume"], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert again.returncode == 0, again.stdout + again.stderr
+    summary = json.loads((out / "summary.json").read_text())
+    assert summary["done"] == 2
+    assert summary["per_test"]["tests/test_shared_auth.py::test_derive_mac_key"]["passed"] == 2
+    assert sorted(p.name for p in out.glob("run-*")) == ["run-001", "run-002"]
+    other = subprocess.run([*base[:-1], "tests/test_shared_auth.py", "--runs", "3", "--resume"], cwd=ROOT,
+                           capture_output=True, text=True, timeout=60)
+    assert other.returncode == 2 and "different --tests" in other.stderr, other.stderr
