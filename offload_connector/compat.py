@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import re
 
-SUPPORTED_MINORS = ((0, 32), (0, 33))
+SUPPORTED_MINORS = ((0, 32), (0, 33), (0, 34))
 
 
 class UnsupportedVllmError(ImportError):

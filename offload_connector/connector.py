@@ -28,8 +28,12 @@ from offload_connector.metadata import OffloadMetadata
 try:  # vLLM >= 0.32 labels external hits by source; HOST feeds the per-tier hit metrics.
     from vllm.v1.metrics.cache_hit_source import CacheHitSource
     _HOST_SOURCE = CacheHitSource.HOST
+    # The shared tier is a remote store, which vLLM files under its fallback label (no member names a shared store).
+    _SOURCES = {"host": CacheHitSource.HOST, "disk": CacheHitSource.DISK,
+                "shared": CacheHitSource.EXTERNAL_UNSPECIFIED}
 except ImportError:  # pragma: no cover
     _HOST_SOURCE = None
+    _SOURCES = {}
 
 if TYPE_CHECKING:
     from offload_connector.scheduler.core import OffloadScheduler
@@ -92,9 +96,24 @@ class OffloadConnector(KVConnectorBase_V1, SupportsHMA):
         assert self.scheduler_side is not None
         return self.scheduler_side.get_num_new_matched_tokens(request, num_computed_tokens)
 
+    def may_load_async(self, request: Any) -> bool:
+        # vLLM 0.34: with --max-num-inflight-kv-loads, True lets this request's load start while the batch is full.
+        assert self.scheduler_side is not None
+        return self.scheduler_side.may_load_async(request)
+
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         assert self.scheduler_side is not None
         self.scheduler_side.update_state_after_alloc(request, blocks, num_external_tokens)
+
+    def get_external_cache_hit_sources(self, request: Any, num_external_tokens: int) -> dict[Any, int]:
+        # Asked after update_state_after_alloc: the tokens of the load just issued, by the tier that held them.
+        if num_external_tokens == 0:
+            return {}
+        assert self.scheduler_side is not None
+        split = self.scheduler_side.hit_sources(request.request_id)
+        if not _SOURCES or sum(split.values()) != num_external_tokens:
+            return {_HOST_SOURCE: num_external_tokens} if _HOST_SOURCE is not None else {}
+        return {_SOURCES[name]: n for name, n in split.items()}
 
     def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
         assert self.scheduler_side is not None

@@ -83,7 +83,7 @@ from typing import Any, Literal
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 Direction = Literal["load", "store"]
-DEFERRAL_REASONS: tuple[str, ...] = ("pool_full", "too_big", "aged_out", "held_for_older")
+DEFERRAL_REASONS: tuple[str, ...] = ("pool_full", "too_big", "aged_out", "held_for_older", "not_started")
 
 # Payload keys. Plain strings, numbers and lists only: the payload is msgpack-encoded on its way to the frontend
 # and must decode there as plain data, without this module's classes or custom hooks.

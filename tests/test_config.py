@@ -277,13 +277,14 @@ def test_vllm_config_construction_reaches_the_cudagraph_hook(monkeypatch):
     from vllm.config.compilation import CUDAGraphMode
 
     from offload_bench.sim.layouts import model_dir
+    from offload_bench.sim.vllm_compat import cpu_configs
 
     monkeypatch.setattr(type(vllm.platforms.current_platform), "support_static_graph_mode",
                         classmethod(lambda cls: True))
     kv = KVTransferConfig(kv_connector="OffloadConnector", kv_connector_module_path="offload_connector",
                           kv_role="kv_both", kv_connector_extra_config={"cpu_bytes": "1G", "typo": 1})
     mc = ModelConfig(model=model_dir("gemma-4-31b"), skip_tokenizer_init=True, dtype="bfloat16", max_model_len=4096)
-    with pytest.raises(ValueError, match=r"kv_connector_extra_config: unknown key\(s\) \['typo'\]"):
+    with pytest.raises(ValueError, match=r"kv_connector_extra_config: unknown key\(s\) \['typo'\]"), cpu_configs():
         VllmConfig(model_config=mc, cache_config=CacheConfig(block_size=16),
                    scheduler_config=SchedulerConfig(max_num_batched_tokens=512, max_model_len=4096,
                                                     is_encoder_decoder=False),

@@ -14,25 +14,25 @@ from offload_connector.compat import UnsupportedVllmError, check_vllm_version
 from tests.engine_helpers import REPO
 
 
-@pytest.mark.parametrize("version", ["0.32.0", "0.32.1", "0.33.0", "0.33.2rc1", "0.33.0+cpu"])
+@pytest.mark.parametrize("version", ["0.32.0", "0.32.1", "0.33.0", "0.33.2rc1", "0.33.0+cpu", "0.34.0", "0.34.1"])
 def test_supported_versions_pass(version: str) -> None:
     check_vllm_version(version)
 
 
-@pytest.mark.parametrize("version", ["0.31.9", "0.34.0", "1.0.0", "0.3.3", "dev", ""])
+@pytest.mark.parametrize("version", ["0.31.9", "0.35.0", "1.0.0", "0.3.3", "dev", ""])
 def test_unsupported_versions_name_what_is_accepted(version: str) -> None:
-    with pytest.raises(UnsupportedVllmError, match=r"supports vLLM 0\.32\.x, 0\.33\.x .* installed vllm is"):
+    with pytest.raises(UnsupportedVllmError, match=r"supports vLLM 0\.32\.x, 0\.33\.x, 0\.34\.x .* installed vllm is"):
         check_vllm_version(version)
 
 
 def test_loading_the_connector_under_another_vllm_release_fails_with_one_line() -> None:
-    code = ("import vllm; vllm.__version__ = '0.34.0'\n"
+    code = ("import vllm; vllm.__version__ = '0.35.0'\n"
             "try:\n    import offload_connector.connector\n"
             "except ImportError as e:\n    print('ERR', e); raise SystemExit(3)\n")
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=300,
                           env={**os.environ, "PYTHONPATH": str(REPO)})
     assert done.returncode == 3, done.stderr[-2000:]
-    assert "supports vLLM 0.32.x, 0.33.x" in done.stdout and "'0.34.0'" in done.stdout
+    assert "supports vLLM 0.32.x, 0.33.x, 0.34.x" in done.stdout and "'0.35.0'" in done.stdout
 
 
 def test_pip_install_into_this_environment_adds_only_the_connector(tmp_path) -> None:

@@ -17,9 +17,10 @@ from typing import Any
 import pytest
 
 from offload_bench.sim.custom import build_custom
-from offload_bench.sim.layouts import build_scheduler, build_sim_model, build_vllm_config
+from offload_bench.sim.layouts import build_scheduler
 from offload_bench.sim.requests import make_request, tokens
-from offload_bench.sim.scenarios import GEMMA4_SEED
+from offload_bench.sim.scenarios import GEMMA4_SEED, plan_scenario
+from offload_bench.sim.vllm_compat import waiting_count
 from offload_bench.sim.vllm_offloading import VllmOffloadingDriver, VllmOffloadingWorkerSim, offloading_config
 from offload_bench.sim.vllm_patched import apply_admission_fix, is_patched, recycling_managers
 
@@ -162,10 +163,7 @@ class SeedRun:
 
 def _seed_run(patched: bool, stall_steps: int = 50) -> SeedRun:
     scn = GEMMA4_SEED
-    vc = build_vllm_config(scn.model, max_model_len=scn.max_model_len,
-                           max_num_batched_tokens=scn.max_num_batched_tokens, num_gpu_blocks=scn.num_blocks,
-                           kv_transfer_config=offloading_config(scn.cpu_bytes))
-    sim = build_sim_model(scn.model, vllm_config=vc, num_blocks=scn.num_blocks)
+    vc, sim = plan_scenario(scn, offloading_config(scn.cpu_bytes))
     sched = build_scheduler(sim, vc)
     groups = apply_admission_fix(sched) if patched else []
     log = GateLog(sched)
@@ -190,11 +188,11 @@ def _seed_run(patched: bool, stall_steps: int = 50) -> SeedRun:
         landed = getattr(sched, "finished_recving_kv_req_ids", set())
         in_flight = drv.worker.pending() or any(
             r.status.name == "WAITING_FOR_REMOTE_KVS" and r.request_id not in landed for r in returning)
-        waiting = len(sched.waiting) + len(getattr(sched, "kv_holding_waiting", ()) or ())
+        waiting = waiting_count(sched)
         idle = idle + 1 if out.total_num_scheduled_tokens == 0 and waiting and not in_flight else 0
         assert drv.step_no < 5000
     return SeedRun(patched, idle >= stall_steps, sum(r.request_id in drv.finished for r in returning),
-                   drv.pool.get_num_free_blocks(), scn.num_blocks, loaded[0], both, groups, taken)
+                   drv.pool.get_num_free_blocks(), sim.kv_cache_config.num_blocks, loaded[0], both, groups, taken)
 
 
 @pytest.fixture(scope="module")

@@ -43,7 +43,8 @@ def _stall_demo(args: argparse.Namespace) -> int:
     for name in chosen:
         scn = scenarios[name]
         print(f"\n== {name}: {scn.sessions} requests of {scn.prompt_tokens:,} tokens returning with "
-              f"{scn.prefix_tokens:,}-token prefixes in the CPU tier; pool {scn.num_blocks:,} blocks, "
+              f"{scn.prefix_tokens:,}-token prefixes in the CPU tier; pool of {scn.num_blocks:,} blocks"
+              f"{f' of {scn.block_tokens} tokens (the same bytes on any release)' if scn.block_tokens else ''}, "
               f"max_num_batched_tokens {scn.max_num_batched_tokens}, async scheduling (vLLM {vllm.__version__})")
         for mode in ("vllm", "exact"):
             t0 = time.time()
@@ -53,13 +54,13 @@ def _stall_demo(args: argparse.Namespace) -> int:
                 "model": name, "reservation": mode, "stalled": res.stalled,
                 "first_stall_step": res.first_stall_step,
                 "returning_completed": f"{res.returning_completed}/{scn.sessions}",
-                "steps": res.steps, "free_blocks_end": res.free_blocks_end,
+                "steps": res.steps, "blocks": res.num_blocks, "free_blocks_end": res.free_blocks_end,
                 "pool_drained": res.pool_drained, "loaded_tokens": res.loaded_tokens,
                 "deferrals": res.deferrals, "loads_blocks_now": reserved_now,
                 "ledger_reserved_at_end": res.snapshot.reserved_blocks, "seconds": round(time.time() - t0, 1),
             })
     cols = ["model", "reservation", "stalled", "first_stall_step", "returning_completed", "steps",
-            "free_blocks_end", "pool_drained", "loaded_tokens", "deferrals"]
+            "blocks", "free_blocks_end", "pool_drained", "loaded_tokens", "deferrals"]
     print()
     widths = [max(len(c), *(len(str(r[c])) for r in rows)) for c in cols]
     print("  ".join(c.ljust(w) for c, w in zip(cols, widths)))

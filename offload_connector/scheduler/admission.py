@@ -3,6 +3,7 @@ the load job issued once vLLM has allocated the request's blocks."""
 
 from __future__ import annotations
 
+import math
 from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -24,6 +25,9 @@ from offload_connector.scheduler.tier_index import TierIndex
 from offload_connector.scheduler.watchdog import PoolHolder
 
 logger = get_logger(__name__)
+
+# Where a loaded token came from, nearest tier first (vLLM's CacheHitSource values, less the shared tier's name).
+HIT_SOURCES = ("host", "disk", "shared")
 
 
 @dataclass
@@ -104,6 +108,14 @@ class AdmissionControl:
             state.junctions.add(junction)
         return hit
 
+    def probe(self, request: Any) -> int:
+        """The prefix this host's tiers (CPU, disk) could restore now, without any side effect: no shared-tier query,
+        no junction noted, nothing touched. The shared tier's blocks are not probed (a network round trip)."""
+        keys = self.layout.keys(request)
+        upper = request.num_tokens - 1
+        full = full_prefix_tokens(self.layout.groups, keys, self.available, upper)
+        return longest_hit(self.layout.groups, keys, self.available, upper, self.layout.alignment, full_tokens=full)
+
     def load_keys(self, request: Any, local: int, hit: int) -> list[tuple[int, int, Any]]:
         """(group, block index, key) of every block a load of tokens `local`..`hit` copies: each group's blocks from
         the first one still in its window (or chunk) at `hit`, past what vLLM already has."""
@@ -116,6 +128,7 @@ class AdmissionControl:
 
     def match(self, request: Any, state: ReqState, num_computed_tokens: int, step: int) -> tuple[int | None, bool]:
         """vLLM's `get_num_new_matched_tokens` for a request with no load in flight."""
+        capped_since, state.admitted_step = state.admitted_step, None
         if state.no_load:  # recomputing its prefix; still behind any older deferred load
             held = self._held_for_older(request, num_computed_tokens, num_computed_tokens, step)
             return (None, False) if held else (0, False)
@@ -139,9 +152,10 @@ class AdmissionControl:
                 plan = self.plan_load(request, hit, self._local_blocks(request, num_computed_tokens))
                 self.log.append(Admission(request.request_id, step, plan, self._kv().pool.get_num_free_blocks()))
             return hit - num_computed_tokens, True
-        return self._admit(request, state, num_computed_tokens, hit, step)
+        return self._admit(request, state, num_computed_tokens, hit, step, capped_since)
 
-    def _admit(self, request: Any, state: ReqState, local: int, hit: int, step: int) -> tuple[int | None, bool]:
+    def _admit(self, request: Any, state: ReqState, local: int, hit: int, step: int,
+               capped_since: int | None = None) -> tuple[int | None, bool]:
         kv = self._kv()
         local_blocks = self._local_blocks(request, local)
         plan = self.plan_load(request, hit, local_blocks)
@@ -151,23 +165,26 @@ class AdmissionControl:
             self._keep_warm(request, local, hit)
             return None, False
         if verdict is ledger.Verdict.ADMIT:
-            self.fair.clear(request.request_id)
-            state.deferred_since = None
+            if capped_since is not None:
+                # Admitted at the last lookup, never started: vLLM held it back (0.34 caps the loads in flight). It
+                # waits as a deferred load waits, so it ages the same way and newer requests are held for it.
+                if self._aged_out(request, state, local, hit, step, since=capped_since):
+                    return 0, False
+                self.counters.not_started += 1
+                self.stats.record_deferral("not_started")
+                self._keep_warm(request, local, hit)
+                if self.config.admission_policy == "fair":
+                    self.fair.defer(request, step, sum(plan.now), plan.total)
+            else:
+                self.fair.clear(request.request_id)
+                state.deferred_since = None
+            state.admitted_step = step
             state.offered_hit = hit
             if self.log is not None:
                 self.log.append(Admission(request.request_id, step, plan, kv.pool.get_num_free_blocks()))
             return hit - local, True
         if verdict is ledger.Verdict.DEFER:
-            if state.deferred_since is None:
-                state.deferred_since = step
-            if step - state.deferred_since >= self.config.max_deferral_steps:
-                self.fair.clear(request.request_id)
-                self.counters.deferral_timeouts += 1
-                self.counters.aged_out_tokens += hit - local
-                self.stats.record_deferral("aged_out")
-                logger.warning("offload_connector: load of %d tokens for %s deferred %d steps; recomputing",
-                               hit - local, request.request_id, step - state.deferred_since)
-                state.no_load = True
+            if self._aged_out(request, state, local, hit, step, since=step):
                 return 0, False
             self.counters.deferrals += 1
             self.stats.record_deferral("pool_full")
@@ -185,6 +202,22 @@ class AdmissionControl:
         self.stats.record_deferral("too_big")
         state.no_load = True
         return 0, False
+
+    def _aged_out(self, request: Any, state: ReqState, local: int, hit: int, step: int, since: int) -> bool:
+        """Start (at `since`) or continue the request's deferral clock; past `max_deferral_steps` give the load up:
+        the request recomputes its prefix instead."""
+        if state.deferred_since is None:
+            state.deferred_since = since
+        if step - state.deferred_since < self.config.max_deferral_steps:
+            return False
+        self.fair.clear(request.request_id)
+        self.counters.deferral_timeouts += 1
+        self.counters.aged_out_tokens += hit - local
+        self.stats.record_deferral("aged_out")
+        logger.warning("offload_connector: load of %d tokens for %s deferred %d steps; recomputing",
+                       hit - local, request.request_id, step - state.deferred_since)
+        state.no_load = True
+        return True
 
     def _keep_warm(self, request: Any, local: int, hit: int) -> None:
         """Touch the tier entries of a load that is waiting for room, every step it waits.
@@ -327,6 +360,7 @@ class AdmissionControl:
             indices.append(i)
             load_ends.append((i + 1) * self.layout.groups[gi].block_size)
         groups_, gpu, keylist, indices = in_prefix_order(load_ends, groups_, gpu, keylist, indices)
+        state.hit_sources = self._hit_sources(groups_, indices, keylist, local, hit)
         if self.disk is None and self.remote is None:
             slots = self.tier.pin(keylist)
             self.tier.touch(keylist)
@@ -335,6 +369,8 @@ class AdmissionControl:
         else:
             self._start_load_with_read_backs(request, groups_, gpu, keylist, indices, num_external_tokens)
         state.deferred_since = None
+        state.admitted_step = None
+        self.fair.clear(rid)
         # Blocks below the hit are on the GPU once the load lands; store planning starts after them.
         groups = self.layout.groups
         state.full_stored = [hit // g.block_size if not g.recycling else 0 for g in groups]
@@ -342,6 +378,28 @@ class AdmissionControl:
         state.window_next = [hit // g.block_size for g in groups]
         self.counters.loads_admitted += 1
         self.counters.loaded_tokens += num_external_tokens
+
+    def _hit_sources(self, groups_: list[int], indices: list[int], keylist: list[Any], local: int,
+                     hit: int) -> dict[str, int]:
+        """The load's tokens `local`..`hit` split by the tier they come from (before the load pins or promotes
+        anything): a token counts for the farthest tier among the loaded blocks that cover it; a token no loaded
+        block covers (below every window of a layout without full attention) for the farthest tier of the load."""
+        def tier_of(key: Any) -> int:
+            if self.tier.is_ready(key):
+                return 0
+            return 1 if self.disk is not None and self.disk.readable(key) else 2
+
+        unit = math.gcd(local, hit, *(g.block_size for g in self.layout.groups))
+        rank = [-1] * ((hit - local) // unit)
+        for gi, i, key in zip(groups_, indices, keylist):
+            bs, r = self.layout.groups[gi].block_size, tier_of(key)
+            for u in range((max(local, i * bs) - local) // unit, (min(hit, (i + 1) * bs) - local) // unit):
+                rank[u] = max(rank[u], r)
+        farthest = max(rank, default=0)
+        counts = [0, 0, 0]
+        for r in rank:
+            counts[farthest if r < 0 else r] += unit
+        return {name: n for name, n in zip(HIT_SOURCES, counts) if n}
 
     def _start_load_with_read_backs(self, request: Any, groups_: list[int], gpu: list[int], keylist: list[Any],
                               indices: list[int], tokens: int) -> None:

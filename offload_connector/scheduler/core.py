@@ -127,14 +127,28 @@ class OffloadScheduler:
         if state is None:  # a request we were not told about (should not happen); track it now
             self.on_new_request(request)
             state = self._requests[request.request_id]
-        if request.request_id in self.jobs.loads:
+        if request.request_id in self.jobs.loads or skips_external_kv(request):
             return 0, False
         return self.admission.match(request, state, num_computed_tokens, self._step)
+
+    def may_load_async(self, request: Any) -> bool:
+        """vLLM 0.34 asks this as a request enters the waiting queues (with `--max-num-inflight-kv-loads`): True puts
+        it in the queue whose loads may start while the running batch is full. Side-effect free: the tiers of this
+        host hold at least `min_load_tokens` of its prompt, as the lookup would find them now."""
+        state = self._requests.get(request.request_id)
+        if (state is not None and state.no_load) or skips_external_kv(request):
+            return False
+        return self.admission.probe(request) >= max(1, self.config.min_load_tokens)
 
     def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
         if num_external_tokens <= 0:
             return
         self.admission.start_load(request, self._requests[request.request_id], blocks, num_external_tokens)
+
+    def hit_sources(self, request_id: str) -> dict[str, int]:
+        """The tokens of the request's last load by tier ("host", "disk", "shared")."""
+        state = self._requests.get(request_id)
+        return dict(state.hit_sources) if state is not None else {}
 
     def plan_load(self, request: Any, hit: int, local_blocks: list[list[Any]]) -> ledger.LoadPlan:
         """Exact per-group blocks a load of `hit` tokens takes now and may still take through its prompt."""
@@ -356,6 +370,14 @@ class OffloadScheduler:
     def admissions(self) -> deque[Admission] | None:
         """The admissions recorded since `record_admissions()`; None when not recording."""
         return self.admission.log
+
+
+def skips_external_kv(request: Any) -> bool:
+    """vLLM discards an external hit for these requests after asking (prompt logprobs, `skip_reading_prefix_cache`):
+    vLLM 0.34's `skip_reading_external_kv`, 0.32/0.33's `skip_reading_prefix_cache`. Answering 0 keeps them out of
+    deferrals and fairness holds for a load that would never happen."""
+    return bool(getattr(request, "skip_reading_external_kv", False) or getattr(request, "skip_reading_prefix_cache",
+                                                                              False))
 
 
 def _fmt_bytes(n: int) -> str:

@@ -74,6 +74,11 @@ class ReqState:
     pending_stores: set[int] = field(default_factory=set)
     finished: bool = False
     offered_hit: int = 0  # the hit (local + external) last offered to vLLM
+    # The step of an admission vLLM has not started yet (no update_state_after_alloc followed). Still set at the
+    # next lookup means vLLM held the load back (0.34's --max-num-inflight-kv-loads, or its own allocation).
+    admitted_step: int | None = None
+    # The last load's tokens by the tier that held them ("host", "disk", "shared"), for vLLM's hit-source metrics.
+    hit_sources: dict[str, int] = field(default_factory=dict)
     counted_hit: bool = False  # its CPU hit is in counters.cpu_hit_tokens
     # At its first lookup the prompt shared no prefix with the GPU prefix cache or a tier (None: not looked up yet).
     # Its stores say so to the eviction policy (`EvictionPolicy.unshared`).
@@ -96,6 +101,7 @@ class SchedulerCounters:
     stores: int = 0
     stored_blocks: int = 0
     load_failures: int = 0
+    not_started: int = 0  # lookups of a load admitted at the previous one that vLLM did not start (its load cap)
 
 
 def _gcd_block(groups: tuple[GroupInfo, ...]) -> int:

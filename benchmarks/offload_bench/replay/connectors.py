@@ -28,6 +28,7 @@ from offload_bench.sim.driver import SchedulerDriver, StepRecord
 from offload_bench.sim.layouts import build_scheduler, build_sim_model, build_vllm_config
 from offload_bench.sim.scenarios import connector_config
 from offload_bench.sim.tagcopy import TagCopier
+from offload_bench.sim.vllm_compat import waiting_count
 
 __all__ = ["CONNECTORS", "EngineSettings", "ReplayEngine", "VLLM_OFFLOADING"]
 
@@ -206,8 +207,7 @@ class ReplayEngine:
         return self.driver.busy()
 
     def waiting_count(self) -> int:
-        s = self.sched
-        return len(s.waiting) + len(getattr(s, "kv_holding_waiting", ()) or ())
+        return waiting_count(self.sched)
 
     def step(self) -> StepRecord:
         rec = self.driver.step()

@@ -88,9 +88,16 @@ def attach_speculative_config(vllm_config: Any, method: str, num_speculative_tok
     return vllm_config.speculative_config
 
 
+def _vllm_version() -> str:
+    import vllm
+
+    return vllm.__version__
+
+
 def build_custom(groups: Sequence[GroupDesc], *, num_blocks: int, max_num_batched_tokens: int, max_model_len: int,
                  kv_transfer_config: Any, scheduler_cls: type | None = None, num_speculative_tokens: int = 0,
-                 spec_method: str = "ngram", pipeline_parallel_size: int = 1) -> tuple[Any, int]:
+                 spec_method: str = "ngram", pipeline_parallel_size: int = 1, max_num_seqs: int | None = None,
+                 max_num_inflight_kv_loads: int | None = None) -> tuple[Any, int]:
     """A real scheduler over a hand-built layout. Returns (scheduler, hash_block_size).
 
     Without speculative decoding: the plain `Scheduler` over an async-scheduling config (the driver keeps a 2-deep
@@ -105,7 +112,12 @@ def build_custom(groups: Sequence[GroupDesc], *, num_blocks: int, max_num_batche
     async_scheduling = SPEC_METHODS[spec_method] if num_speculative_tokens else True
     vc = build_vllm_config("tiny-llama", max_model_len=max_model_len, max_num_batched_tokens=max_num_batched_tokens,
                            num_gpu_blocks=num_blocks, kv_transfer_config=kv_transfer_config,
-                           max_num_seqs=min(64, max_num_batched_tokens), async_scheduling=async_scheduling)
+                           max_num_seqs=max_num_seqs or min(64, max_num_batched_tokens),
+                           async_scheduling=async_scheduling)
+    if max_num_inflight_kv_loads is not None:
+        if not hasattr(vc.scheduler_config, "max_num_inflight_kv_loads"):
+            raise ValueError(f"max_num_inflight_kv_loads needs vLLM >= 0.34 (this is {_vllm_version()})")
+        vc.scheduler_config.max_num_inflight_kv_loads = max_num_inflight_kv_loads
     # Pipeline parallelism changes only how many batches vLLM keeps in flight (`max_concurrent_batches`, which the
     # driver's batch queue and the ledger's in-flight bound both read); the stages' layers are not simulated.
     vc.parallel_config.pipeline_parallel_size = pipeline_parallel_size

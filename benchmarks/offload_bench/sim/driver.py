@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
 from offload_bench.sim.drafts import DraftCounts, DraftSampler
+from offload_bench.sim.vllm_compat import runner_output, waiting_count
 from offload_bench.sim.tagcopy import TagCopier, build_worker
 
 
@@ -213,7 +214,7 @@ class SchedulerDriver(DraftCounts):
         while self._queue and (len(self._queue) >= self.batch_depth or out.total_num_scheduled_tokens == 0):
             self._apply_oldest()
         rec = StepRecord(self.step_no, out.total_num_scheduled_tokens, len(self.sched.running),
-                         len(self.sched.waiting) + len(getattr(self.sched, "kv_holding_waiting", ()) or ()),
+                         waiting_count(self.sched),
                          self.pool.get_num_free_blocks(), in_flight)
         if self.record:
             self.history.append(rec)
@@ -234,7 +235,7 @@ class SchedulerDriver(DraftCounts):
             self._verify_loaded(landed, {rid: self._unlanded.pop(rid) for rid in landed})
 
     def _apply_oldest(self) -> None:
-        from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+        from vllm.v1.outputs import KVConnectorOutput
 
         out, req_ids, sampled, reqs = self._queue.popleft()
         kv_out = None
@@ -268,8 +269,7 @@ class SchedulerDriver(DraftCounts):
                                        kv_connector_worker_meta=wmeta)
             if failed:
                 kv_out.failed_recving = failed
-        mro = ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
-                                sampled_token_ids=sampled, kv_connector_output=kv_out)
+        mro = runner_output(req_ids, sampled, kv_out)
         live = {rid for rid, req in reqs.items() if not req.is_finished()}
         engine_outputs = self.sched.update_from_output(out, mro)
         self._write_settled_tags(out, reqs, live)

@@ -45,6 +45,7 @@ from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs
 from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheSpec  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 from offload_connector.config import simulated_host  # noqa: E402
+from offload_bench.sim.vllm_compat import cpu_configs  # noqa: E402
 
 try:  # 0.33 moved the planner out of kv_cache_utils
     from vllm.v1.core import kv_cache_planning as _planner
@@ -111,16 +112,17 @@ def build_vllm_config(
     # vLLM's default; the backends' preferred size replaces it once the layers are built (`_derive`), as the
     # executor does after loading the model.
     block = CacheConfig.DEFAULT_BLOCK_SIZE
-    vc = VllmConfig(
-        model_config=mc,
-        cache_config=CacheConfig(block_size=block, enable_prefix_caching=enable_prefix_caching),
-        scheduler_config=SchedulerConfig(
-            max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs, max_model_len=max_model_len,
-            enable_chunked_prefill=True, is_encoder_decoder=False, async_scheduling=async_scheduling,
-            disable_hybrid_kv_cache_manager=False),
-        device_config=DeviceConfig("cpu"),
-        kv_transfer_config=kv_transfer_config,
-    )
+    with cpu_configs():
+        vc = VllmConfig(
+            model_config=mc,
+            cache_config=CacheConfig(block_size=block, enable_prefix_caching=enable_prefix_caching),
+            scheduler_config=SchedulerConfig(
+                max_num_batched_tokens=max_num_batched_tokens, max_num_seqs=max_num_seqs,
+                max_model_len=max_model_len, enable_chunked_prefill=True, is_encoder_decoder=False,
+                async_scheduling=async_scheduling, disable_hybrid_kv_cache_manager=False),
+            device_config=DeviceConfig("cpu"),
+            kv_transfer_config=kv_transfer_config,
+        )
     # The CPU platform turns off async scheduling, and for MLA models chunked prefill and prefix caching (raising
     # the batch to max_model_len); a GPU deployment keeps them, so put them back.
     sc, cc = vc.scheduler_config, vc.cache_config
@@ -251,7 +253,9 @@ def _ensure_single_rank_groups() -> None:
     atexit.register(shutil.rmtree, tmp, ignore_errors=True)
     store = os.path.join(tmp, "store")
     # No model config in the current config: vLLM then creates the expert-parallel group too, so MoE models build.
-    with set_current_vllm_config(VllmConfig(device_config=DeviceConfig("cpu"))):
+    with cpu_configs():
+        bare = VllmConfig(device_config=DeviceConfig("cpu"))
+    with set_current_vllm_config(bare):
         ps.init_distributed_environment(world_size=1, rank=0, local_rank=0,
                                         distributed_init_method=f"file://{store}", backend="gloo")
         ps.ensure_model_parallel_initialized(1, 1)

@@ -25,11 +25,12 @@ def tokens(seed: int, n: int) -> list[int]:
 
 
 def make_request(request_id: str, prompt: Sequence[int], max_tokens: int, hash_block_size: int,
-                 arrival_time: float | None = None) -> Any:
+                 arrival_time: float | None = None, **sampling: Any) -> Any:
+    """A vLLM `Request` for `prompt`; `sampling` goes to its `SamplingParams` (e.g. `prompt_logprobs=1`)."""
     from vllm.sampling_params import SamplingParams
     from vllm.v1.request import Request
 
-    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True, **sampling)
     kwargs = {}
     if arrival_time is not None:
         kwargs["arrival_time"] = arrival_time

@@ -27,13 +27,17 @@ class StallScenario:
     max_tokens: int = 4
     cpu_bytes: int = 64 * 2**30
     stall_steps: int = 100  # consecutive idle zero-token steps that count as a stall
+    # `num_blocks` counts blocks whose smallest group holds this many tokens (the layout the seed was measured on,
+    # vLLM 0.33). A release that lays the model out in larger blocks (0.34's default block size is 64, not 16) gets
+    # the same pool in bytes: proportionally fewer blocks. None: `num_blocks` as given.
+    block_tokens: int | None = None
 
 
 GEMMA4_SEED = StallScenario("gemma-4-31b", num_blocks=2188, max_num_batched_tokens=1024, max_model_len=32768,
-                            prefix_tokens=21952, prompt_tokens=23000, sessions=2)
+                            prefix_tokens=21952, prompt_tokens=23000, sessions=2, block_tokens=16)
 DEEPSEEK_V4_SEED = StallScenario("deepseek-v4-flash", num_blocks=6144, max_num_batched_tokens=1024,
                                  max_model_len=1_048_576, prefix_tokens=500_224, prompt_tokens=501_500, sessions=3,
-                                 cpu_bytes=256 * 2**30)
+                                 cpu_bytes=256 * 2**30, block_tokens=4)
 
 
 @dataclass
@@ -67,13 +71,25 @@ def connector_config(reservation: str, cpu_bytes: int, **extra: Any) -> Any:
                                                                           "reservation": reservation, **extra})
 
 
+def plan_scenario(scn: StallScenario, kv_transfer_config: Any) -> tuple[Any, Any]:
+    """The scenario's vLLM config and planned KV cache on this release, its pool the same in bytes whatever block
+    size the release lays the model out in (`StallScenario.block_tokens`)."""
+    def plan(num_blocks: int) -> tuple[Any, Any]:
+        vc = build_vllm_config(scn.model, max_model_len=scn.max_model_len,
+                               max_num_batched_tokens=scn.max_num_batched_tokens, num_gpu_blocks=num_blocks,
+                               kv_transfer_config=kv_transfer_config)
+        return vc, build_sim_model(scn.model, vllm_config=vc, num_blocks=num_blocks)
+
+    vc, sim = plan(scn.num_blocks)
+    smallest = min(g.kv_cache_spec.block_size for g in sim.kv_cache_config.kv_cache_groups)
+    if scn.block_tokens is not None and smallest != scn.block_tokens:
+        vc, sim = plan(scn.num_blocks * scn.block_tokens // smallest)
+    return vc, sim
+
+
 def build(scn: StallScenario, reservation: str, **extra: Any) -> tuple[SchedulerDriver, Any]:
-    vc = build_vllm_config(scn.model, max_model_len=scn.max_model_len,
-                           max_num_batched_tokens=scn.max_num_batched_tokens, num_gpu_blocks=scn.num_blocks,
-                           kv_transfer_config=connector_config(reservation, scn.cpu_bytes, **extra))
-    sim = build_sim_model(scn.model, vllm_config=vc, num_blocks=scn.num_blocks)
-    sched = build_scheduler(sim, vc)
-    return SchedulerDriver(sched, TagCopier(1)), sim
+    vc, sim = plan_scenario(scn, connector_config(reservation, scn.cpu_bytes, **extra))
+    return SchedulerDriver(build_scheduler(sim, vc), TagCopier(1)), sim
 
 
 def run_stall_scenario(scn: StallScenario, reservation: str, progress: Any = None, **extra: Any) -> ScenarioResult:
@@ -97,7 +113,8 @@ def run_stall_scenario(scn: StallScenario, reservation: str, progress: Any = Non
     return ScenarioResult(
         scenario=scn, reservation=reservation, stalled=result.stalled, first_stall_step=result.first_stall_step,
         returning_completed=done, steps=result.steps, free_blocks_end=drv.pool.get_num_free_blocks(),
-        num_blocks=scn.num_blocks, loaded_tokens=side.counters.loaded_tokens, deferrals=side.counters.deferrals,
+        num_blocks=sim.kv_cache_config.num_blocks, loaded_tokens=side.counters.loaded_tokens,
+        deferrals=side.counters.deferrals,
         deferral_timeouts=side.counters.deferral_timeouts,
         admissions=list(side.admissions), snapshot=side.snapshot(),
         watchdog_detections=side.watchdog.detections, watchdog_report=side.watchdog.last_report)

@@ -5,7 +5,8 @@ The scheduler role is the real one (built by `Scheduler.__init__`). The worker r
 CUDA copies (`OffloadingConnectorWorker.worker`, an `OffloadingWorker` from `vllm/v1/kv_offload/base.py`) is replaced
 by `FakeOffloadingWorker`, which keeps a FIFO per direction and reports each job finished `latency_steps` engine steps
 after it was submitted. `register_kv_caches` is never called (it needs the real KV tensors to derive the canonical
-layout); it would only have built that same `OffloadingWorker`.
+layout); it would only have built that same `OffloadingWorker` (and, on 0.34, the canonical caches its pointer
+resolution reads: `_pointer_stand_in`).
 
 Each step replays the model runner's call order (gpu_model_runner.py / kv_connector_model_runner_mixin.py): the
 metadata is pickled as between processes, then `handle_preemptions`, `bind_connector_metadata`, `start_load_kv`,
@@ -25,9 +26,9 @@ from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
 from vllm.distributed.kv_transfer.kv_connector.v1.base import KVConnectorRole
 from vllm.distributed.kv_transfer.kv_connector.v1.offloading_connector import OffloadingConnector
 from vllm.v1.kv_offload.base import OffloadingWorker, TransferResult
-from vllm.v1.outputs import ModelRunnerOutput
 
 from offload_bench.sim.drafts import DraftCounts, DraftSampler
+from offload_bench.sim.vllm_compat import runner_output
 
 __all__ = ["FakeOffloadingWorker", "VllmOffloadingWorkerSim", "VllmOffloadingDriver", "offloading_config"]
 
@@ -63,17 +64,24 @@ class FakeOffloadingWorker(OffloadingWorker):
         self.submitted = {"store": 0, "load": 0, "expedited": 0}
         self.blocks = {"store": 0, "load": 0, "expedited": 0}
 
-    def _submit(self, kind: str, job_id: int, gpu_spec: Any) -> bool:
-        self._queues[kind].append(_Job(job_id, self.now + self.latency, self._bytes(gpu_spec)))
+    def _submit(self, kind: str, job_id: int, gpu: Any) -> bool:
+        # vLLM <= 0.33 hands over the GPU side as a `GPULoadStoreSpec` (block ids per group); 0.34 as resolved
+        # `DevicePointers` (one copy op per block and data reference, with its byte size).
+        if hasattr(gpu, "group_block_counts"):
+            nbytes, nblocks = int(gpu.sizes.sum()), int(sum(gpu.group_block_counts))
+        else:
+            nbytes, nblocks = self._bytes(gpu), len(gpu.block_ids)
+        self._queues[kind].append(_Job(job_id, self.now + self.latency, nbytes))
         self.submitted[kind] += 1
-        self.blocks[kind] += len(gpu_spec.block_ids)
+        self.blocks[kind] += nblocks
         return True
 
-    def submit_store(self, job_id: int, src_spec: Any, dst_spec: Any) -> bool:
-        return self._submit("store", job_id, src_spec)
+    # The GPU side is the second argument of a store and the third of a load in every release.
+    def submit_store(self, job_id: int, src: Any, dst_spec: Any) -> bool:
+        return self._submit("store", job_id, src)
 
-    def submit_load(self, job_id: int, src_spec: Any, dst_spec: Any, expedited: bool = False) -> bool:
-        return self._submit("expedited" if expedited else "load", job_id, dst_spec)
+    def submit_load(self, job_id: int, src_spec: Any, dst: Any, expedited: bool = False) -> bool:
+        return self._submit("expedited" if expedited else "load", job_id, dst)
 
     def get_finished(self) -> list[TransferResult]:
         out = [self._result(j) for j in self._done_early]
@@ -117,6 +125,29 @@ def _bytes_per_gpu_block(kv_cache_config: Any) -> Callable[[Any], int]:
     return spec_bytes([group_block_bytes(g, kv_cache_config) for g in kv_cache_config.kv_cache_groups])
 
 
+def _pointer_stand_in(kv_cache_config: Any) -> Any:
+    """vLLM 0.34's offloading worker resolves block ids to device pointers (`resolve_device_pointers`) over the
+    canonical KV caches `register_kv_caches` builds from the real tensors. The stand-in has one storage-less (meta)
+    tensor per offloaded group, a block's bytes wide, so each block resolves to one copy of the group's block bytes.
+    None before 0.34, whose worker takes block ids."""
+    try:
+        from vllm.distributed.kv_transfer.kv_connector.v1.offloading.config import get_offloading_group_ids
+        from vllm.v1.kv_offload.base import CanonicalKVCacheRef, CanonicalKVCaches, CanonicalKVCacheTensor
+    except ImportError:
+        return None
+    import torch
+
+    from offload_connector.groups import group_block_bytes
+
+    tensors, refs = [], []
+    for g in get_offloading_group_ids(kv_cache_config):
+        nbytes = group_block_bytes(kv_cache_config.kv_cache_groups[g], kv_cache_config)
+        tensors.append(CanonicalKVCacheTensor(torch.empty((kv_cache_config.num_blocks, nbytes), dtype=torch.int8,
+                                                          device="meta"), nbytes))
+        refs.append([CanonicalKVCacheRef(len(tensors) - 1, nbytes)])
+    return CanonicalKVCaches(tensors=tensors, group_data_refs=refs)
+
+
 class VllmOffloadingWorkerSim:
     """The real WORKER-role OffloadingConnector over the worker KVCacheConfig, copy engine faked."""
 
@@ -127,6 +158,9 @@ class VllmOffloadingWorkerSim:
         self.engine = FakeOffloadingWorker(latency_steps, _bytes_per_gpu_block(worker_kv_cache_config))
         # What register_kv_caches -> _init_worker -> spec.get_worker(...) would have installed.
         self.connector.connector_worker.worker = self.engine
+        stand_in = _pointer_stand_in(worker_kv_cache_config)
+        if stand_in is not None:
+            self.connector.connector_worker._kv_caches = stand_in
         self.pickle_metadata = pickle_metadata
         self.aggregator = KVOutputAggregator.from_connector(self.connector, world_size=1)
 
@@ -214,8 +248,7 @@ class VllmOffloadingDriver(DraftCounts):
 
     def _apply_oldest(self) -> None:
         out, req_ids, sampled, kv_out = self._queue.popleft()
-        mro = ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
-                                sampled_token_ids=sampled, kv_connector_output=kv_out)
+        mro = runner_output(req_ids, sampled, kv_out)
         mro = self.worker.aggregator.aggregate([mro])
         sorted_transfer_ids(mro.kv_connector_output)
         engine_outputs = self.sched.update_from_output(out, mro)

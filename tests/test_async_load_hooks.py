@@ -1,0 +1,170 @@
+"""The hooks vLLM asks a connector about async loads, on vLLM's real scheduler with tag-checked copies.
+
+- Requests whose external hit vLLM discards (prompt logprobs: 0.34's `skip_reading_external_kv`, 0.32/0.33's
+  `skip_reading_prefix_cache`) are answered 0 without a lookup, a deferral or a fairness hold.
+- `may_load_async` (0.34) is a side-effect-free probe of this host's tiers.
+- With 0.34's `--max-num-inflight-kv-loads`, loads start while the running batch is full, and a load vLLM holds back
+  after we admitted it waits as a deferred load does (reason `not_started`).
+- `get_external_cache_hit_sources` splits a load's tokens by the tier that held them.
+"""
+
+from __future__ import annotations
+
+from types import SimpleNamespace
+from typing import Any
+
+import pytest
+
+from offload_bench.sim.custom import build_custom
+from offload_bench.sim.driver import SchedulerDriver
+from offload_bench.sim.requests import make_request, tokens
+from offload_bench.sim.scenarios import connector_config
+from offload_bench.sim.tagcopy import TagCopier
+from offload_connector.scheduler.admission import AdmissionControl
+
+GROUPS = (("full", 16, 0), ("sliding", 16, 128))
+PREFIX = 2000
+
+
+def _has_inflight_cap() -> bool:
+    from vllm.config import SchedulerConfig
+    return "max_num_inflight_kv_loads" in SchedulerConfig.__dataclass_fields__
+
+
+needs_034 = pytest.mark.skipif(not _has_inflight_cap(), reason="--max-num-inflight-kv-loads is new in vLLM 0.34")
+
+
+def _warm(num_blocks: int = 600, **kw: Any) -> tuple[SchedulerDriver, int, list[int]]:
+    """A driver whose CPU tier holds PREFIX tokens of `prefix` (the GPU prefix cache reset)."""
+    sched, hbs = build_custom(GROUPS, num_blocks=num_blocks, max_num_batched_tokens=512, max_model_len=8192,
+                              kv_transfer_config=connector_config("exact", 1 << 32), **kw)
+    drv = SchedulerDriver(sched, TagCopier(1))
+    prefix = tokens(1, PREFIX)
+    drv.add([make_request("warm", prefix, 1, hbs)])
+    assert not drv.run().stalled
+    sched.reset_prefix_cache()
+    return drv, hbs, prefix
+
+
+def test_requests_vllm_reads_no_external_kv_for_are_answered_zero_without_a_lookup() -> None:
+    drv, hbs, prefix = _warm()
+    side = drv.side
+    plain = make_request("plain", prefix + tokens(2, 40), 4, hbs)
+    logprobs = make_request("logprobs", prefix + tokens(2, 40), 4, hbs, prompt_logprobs=1)
+    for r in (plain, logprobs):
+        side.on_new_request(r)
+    before = (side.counters.lookups, side.counters.deferrals, side.counters.held_for_older)
+    assert side.get_num_new_matched_tokens(logprobs, 0) == (0, False)
+    assert (side.counters.lookups, side.counters.deferrals, side.counters.held_for_older) == before
+    assert not side.may_load_async(logprobs)
+    got, is_async = side.get_num_new_matched_tokens(plain, 0)
+    assert is_async and got >= PREFIX - 128  # the twin without prompt logprobs loads
+    # Through the scheduler: the logprobs request computes its whole prompt and finishes; nothing is left pinned.
+    drv.add([make_request("logprobs-2", prefix + tokens(3, 40), 2, hbs, prompt_logprobs=1)])
+    assert not drv.run().stalled
+    assert drv.idle_invariant()
+
+
+def test_may_load_async_probes_the_tiers_without_side_effects() -> None:
+    drv, hbs, prefix = _warm()
+    side = drv.side
+    back = make_request("back", prefix + tokens(2, 40), 4, hbs)
+    cold = make_request("cold", tokens(9, PREFIX), 4, hbs)
+    short = make_request("short", prefix[:32] + tokens(4, 200), 4, hbs)  # 2 blocks: under min_load_tokens
+    for r in (back, cold, short):
+        side.on_new_request(r)
+    state = side._requests["back"]
+    before = (side.counters.lookups, side.counters.hits, side.counters.cpu_hit_tokens, set(state.junctions),
+              state.unshared, side.tier.stats_snapshot() if hasattr(side.tier, "stats_snapshot") else None)
+    assert side.may_load_async(back)
+    assert not side.may_load_async(cold)
+    assert not side.may_load_async(short)
+    after = (side.counters.lookups, side.counters.hits, side.counters.cpu_hit_tokens, set(state.junctions),
+             state.unshared, side.tier.stats_snapshot() if hasattr(side.tier, "stats_snapshot") else None)
+    assert after == before
+    # The probe and the lookup agree on what the tier holds.
+    assert side.admission.probe(back) == side.admission.hit(back, back.num_tokens - 1)
+
+
+def _full_batch_scene(override: bool, inflight: int) -> dict[str, Any]:
+    """Two long decoders fill `max_num_seqs` 2; two requests return with PREFIX tokens in the CPU tier.
+    `override` False answers `may_load_async` as vLLM's default does (no P/D flag: False)."""
+    drv, hbs, prefix = _warm(num_blocks=800, max_num_seqs=2, max_num_inflight_kv_loads=inflight)
+    conn = drv.sched.get_kv_connector()
+    if not override:
+        conn.may_load_async = lambda request: False
+    drv.add([make_request(f"dec{i}", tokens(10 + i, 300), 150 + 20 * i, hbs) for i in range(2)])
+    for _ in range(5):
+        drv.step()
+    start = drv.step_no
+    drv.add([make_request(f"ret{i}", prefix + tokens(20 + i, 40), 2, hbs) for i in range(2)])
+    first_load: int | None = None
+    while drv.busy() and drv.step_no < 3000:
+        drv.step()
+        if first_load is None and drv.side.counters.loads_admitted > 0:
+            first_load = drv.step_no
+    assert drv.idle_invariant()
+    done = {f"ret{i}" for i in range(2)} <= drv.finished
+    c = drv.side.counters
+    return {"first_load": first_load - start, "done": done, "loaded": c.loaded_tokens, "not_started": c.not_started,
+            "aged_out": c.deferral_timeouts}
+
+
+@needs_034
+def test_loads_start_while_the_batch_is_full_with_the_inflight_cap() -> None:
+    on = _full_batch_scene(override=True, inflight=2)
+    off = _full_batch_scene(override=False, inflight=2)
+    assert on["done"] and off["done"]
+    assert on["loaded"] == off["loaded"] > 0
+    # Without the override the loads wait for a running slot, i.e. for a decoder to finish (150+ steps).
+    assert off["first_load"] > 100
+    assert on["first_load"] < 10, (on, off)
+
+
+@needs_034
+def test_a_load_vllm_holds_back_after_admission_waits_as_a_deferred_load() -> None:
+    capped = _full_batch_scene(override=True, inflight=1)
+    assert capped["done"]
+    # The second returning load was admitted by the ledger while the first one held vLLM's only load slot.
+    assert capped["not_started"] > 0
+    # It waited for the slot instead of being given up; the first load then put the shared prefix in the GPU prefix
+    # cache, which served the second request.
+    assert capped["aged_out"] == 0 and capped["loaded"] >= PREFIX - 128
+
+
+def test_hit_sources_split_a_load_by_the_farthest_tier_covering_each_token() -> None:
+    # Two groups: full attention in blocks of 16, a window in blocks of 32. Keys name their tier.
+    groups = (SimpleNamespace(block_size=16), SimpleNamespace(block_size=32))
+    tiers = {"h": (True, False), "d": (False, True), "s": (False, False)}
+    me = SimpleNamespace(layout=SimpleNamespace(groups=groups),
+                         tier=SimpleNamespace(is_ready=lambda k: tiers[k[0]][0]),
+                         disk=SimpleNamespace(readable=lambda k: tiers[k[0]][1]))
+    # Tokens 32..96: full blocks 2..5 (host, host, disk, host); window block 2 (64..96) from the shared tier.
+    groups_ = [0, 0, 0, 0, 1]
+    indices = [2, 3, 4, 5, 2]
+    keys = ["h2", "h3", "d4", "h5", "s2"]
+    split = AdmissionControl._hit_sources(me, groups_, indices, keys, 32, 96)
+    assert split == {"host": 32, "shared": 32}
+    # Without the window block, the disk block's 16 tokens count for the disk.
+    split = AdmissionControl._hit_sources(me, groups_[:4], indices[:4], keys[:4], 32, 96)
+    assert split == {"host": 48, "disk": 16}
+    # Tokens no loaded block covers (below a window, no full attention) go to the load's farthest tier.
+    split = AdmissionControl._hit_sources(me, [1], [2], ["d2"], 0, 96)
+    assert split == {"disk": 96}
+    assert sum(AdmissionControl._hit_sources(me, [0], [0], ["h0"], 0, 16).values()) == 16
+
+
+def test_the_connector_reports_a_cpu_tier_load_as_host() -> None:
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
+
+    drv, hbs, prefix = _warm()
+    conn = drv.sched.get_kv_connector()
+    ret = make_request("ret", prefix + tokens(2, 40), 2, hbs)
+    drv.add([ret])
+    while drv.side.counters.loads_admitted == 0:
+        drv.step()
+    n = drv.side.counters.loaded_tokens
+    assert n > 0
+    assert conn.get_external_cache_hit_sources(ret, n) == {CacheHitSource.HOST: n}
+    assert conn.get_external_cache_hit_sources(ret, 0) == {}
+    assert not drv.run().stalled
