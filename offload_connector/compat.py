@@ -25,6 +25,18 @@ def check_vllm_version(version: str) -> None:
             f"vllm is {version!r}")
 
 
+def vllm_release() -> str:
+    """The installed vLLM's minor release ("0.34"), or "" without vLLM. Stored KV is scoped by it: a release may
+    change how blocks are hashed or laid out (0.34's default block size is 64, not 16), so a disk or shared tier
+    written under another release is never served."""
+    try:
+        import vllm
+    except ImportError:
+        return ""
+    match = re.match(r"(\d+)\.(\d+)", getattr(vllm, "__version__", ""))
+    return f"{match.group(1)}.{match.group(2)}" if match else ""
+
+
 def check_installed_vllm() -> str:
     import vllm
 

@@ -11,20 +11,13 @@
 from __future__ import annotations
 
 from types import SimpleNamespace
-from typing import Any
 
 import pytest
 
-from offload_bench.sim.custom import build_custom
-from offload_bench.sim.driver import SchedulerDriver
+from offload_bench.sim import full_batch
+from offload_bench.sim.full_batch import PREFIX, warm
 from offload_bench.sim.requests import make_request, tokens
-from offload_bench.sim.scenarios import connector_config
-from offload_bench.sim.tagcopy import TagCopier
 from offload_connector.scheduler.admission import AdmissionControl
-
-GROUPS = (("full", 16, 0), ("sliding", 16, 128))
-PREFIX = 2000
-
 
 def _has_inflight_cap() -> bool:
     from vllm.config import SchedulerConfig
@@ -34,20 +27,8 @@ def _has_inflight_cap() -> bool:
 needs_034 = pytest.mark.skipif(not _has_inflight_cap(), reason="--max-num-inflight-kv-loads is new in vLLM 0.34")
 
 
-def _warm(num_blocks: int = 600, **kw: Any) -> tuple[SchedulerDriver, int, list[int]]:
-    """A driver whose CPU tier holds PREFIX tokens of `prefix` (the GPU prefix cache reset)."""
-    sched, hbs = build_custom(GROUPS, num_blocks=num_blocks, max_num_batched_tokens=512, max_model_len=8192,
-                              kv_transfer_config=connector_config("exact", 1 << 32), **kw)
-    drv = SchedulerDriver(sched, TagCopier(1))
-    prefix = tokens(1, PREFIX)
-    drv.add([make_request("warm", prefix, 1, hbs)])
-    assert not drv.run().stalled
-    sched.reset_prefix_cache()
-    return drv, hbs, prefix
-
-
 def test_requests_vllm_reads_no_external_kv_for_are_answered_zero_without_a_lookup() -> None:
-    drv, hbs, prefix = _warm()
+    drv, hbs, prefix = warm()
     side = drv.side
     plain = make_request("plain", prefix + tokens(2, 40), 4, hbs)
     logprobs = make_request("logprobs", prefix + tokens(2, 40), 4, hbs, prompt_logprobs=1)
@@ -66,7 +47,7 @@ def test_requests_vllm_reads_no_external_kv_for_are_answered_zero_without_a_look
 
 
 def test_may_load_async_probes_the_tiers_without_side_effects() -> None:
-    drv, hbs, prefix = _warm()
+    drv, hbs, prefix = warm()
     side = drv.side
     back = make_request("back", prefix + tokens(2, 40), 4, hbs)
     cold = make_request("cold", tokens(9, PREFIX), 4, hbs)
@@ -86,50 +67,25 @@ def test_may_load_async_probes_the_tiers_without_side_effects() -> None:
     assert side.admission.probe(back) == side.admission.hit(back, back.num_tokens - 1)
 
 
-def _full_batch_scene(override: bool, inflight: int) -> dict[str, Any]:
-    """Two long decoders fill `max_num_seqs` 2; two requests return with PREFIX tokens in the CPU tier.
-    `override` False answers `may_load_async` as vLLM's default does (no P/D flag: False)."""
-    drv, hbs, prefix = _warm(num_blocks=800, max_num_seqs=2, max_num_inflight_kv_loads=inflight)
-    conn = drv.sched.get_kv_connector()
-    if not override:
-        conn.may_load_async = lambda request: False
-    drv.add([make_request(f"dec{i}", tokens(10 + i, 300), 150 + 20 * i, hbs) for i in range(2)])
-    for _ in range(5):
-        drv.step()
-    start = drv.step_no
-    drv.add([make_request(f"ret{i}", prefix + tokens(20 + i, 40), 2, hbs) for i in range(2)])
-    first_load: int | None = None
-    while drv.busy() and drv.step_no < 3000:
-        drv.step()
-        if first_load is None and drv.side.counters.loads_admitted > 0:
-            first_load = drv.step_no
-    assert drv.idle_invariant()
-    done = {f"ret{i}" for i in range(2)} <= drv.finished
-    c = drv.side.counters
-    return {"first_load": first_load - start, "done": done, "loaded": c.loaded_tokens, "not_started": c.not_started,
-            "aged_out": c.deferral_timeouts}
-
-
 @needs_034
 def test_loads_start_while_the_batch_is_full_with_the_inflight_cap() -> None:
-    on = _full_batch_scene(override=True, inflight=2)
-    off = _full_batch_scene(override=False, inflight=2)
-    assert on["done"] and off["done"]
-    assert on["loaded"] == off["loaded"] > 0
+    on, off = full_batch.run(override=True, inflight=2), full_batch.run(override=False, inflight=2)
+    assert on.drained and off.drained and None not in on.first_token_steps + off.first_token_steps
+    assert on.loaded_tokens == off.loaded_tokens > 0
     # Without the override the loads wait for a running slot, i.e. for a decoder to finish (150+ steps).
-    assert off["first_load"] > 100
-    assert on["first_load"] < 10, (on, off)
+    assert off.first_load_step > 100
+    assert on.first_load_step < 10, (on, off)
 
 
 @needs_034
 def test_a_load_vllm_holds_back_after_admission_waits_as_a_deferred_load() -> None:
-    capped = _full_batch_scene(override=True, inflight=1)
-    assert capped["done"]
+    capped = full_batch.run(override=True, inflight=1)
+    assert capped.drained and None not in capped.first_token_steps
     # The second returning load was admitted by the ledger while the first one held vLLM's only load slot.
-    assert capped["not_started"] > 0
+    assert capped.not_started > 0
     # It waited for the slot instead of being given up; the first load then put the shared prefix in the GPU prefix
     # cache, which served the second request.
-    assert capped["aged_out"] == 0 and capped["loaded"] >= PREFIX - 128
+    assert capped.aged_out == 0 and capped.loaded_tokens >= full_batch.PREFIX - 128
 
 
 def test_hit_sources_split_a_load_by_the_farthest_tier_covering_each_token() -> None:
@@ -157,7 +113,7 @@ def test_hit_sources_split_a_load_by_the_farthest_tier_covering_each_token() -> 
 def test_the_connector_reports_a_cpu_tier_load_as_host() -> None:
     from vllm.v1.metrics.cache_hit_source import CacheHitSource
 
-    drv, hbs, prefix = _warm()
+    drv, hbs, prefix = warm()
     conn = drv.sched.get_kv_connector()
     ret = make_request("ret", prefix + tokens(2, 40), 2, hbs)
     drv.add([ret])

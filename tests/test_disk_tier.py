@@ -117,7 +117,7 @@ def test_restart_recovers_index_and_lru_order(tmp_path, direct):
     assert corrupt == 0 and header.num_slots == 8
 
 
-@pytest.mark.parametrize("field", ["model", "group_block_bytes", "block_sizes", "dtype", "slot_bytes"])
+@pytest.mark.parametrize("field", ["model", "group_block_bytes", "block_sizes", "dtype", "slot_bytes", "vllm"])
 def test_different_fingerprint_is_refused(tmp_path, field, caplog):
     src = arena(1)
     with DiskStore(str(tmp_path), FP, budget(4)) as s:
@@ -126,7 +126,7 @@ def test_different_fingerprint_is_refused(tmp_path, field, caplog):
     before = open(path, "rb").read()
     other = {"model": dict(model="other-model"), "group_block_bytes": dict(group_block_bytes=(SLOT, 4096)),
              "block_sizes": dict(block_sizes=(16, 32)), "dtype": dict(dtype="float8_e4m3fn"),
-             "slot_bytes": dict(slot_bytes=2 * SLOT)}[field]
+             "slot_bytes": dict(slot_bytes=2 * SLOT), "vllm": dict(vllm="0.34")}[field]
     fp2 = DiskFingerprint(**{**FP.__dict__, **other})
     with pytest.raises(FingerprintMismatch, match=field):
         DiskStore(str(tmp_path), fp2, budget(4))

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from offload_bench.sim import layouts as L
+from offload_bench.sim.vllm_compat import runner_output
 from vllm import SamplingParams
 from vllm.utils.hashing import sha256
 from vllm.v1.core.kv_cache_utils import get_request_block_hasher, init_none_hash
@@ -25,7 +26,6 @@ from vllm.v1.kv_cache_interface import (
     SlidingWindowMLASpec,
     SlidingWindowSpec,
 )
-from vllm.v1.outputs import ModelRunnerOutput
 from vllm.v1.request import Request
 
 from tests.layout_tables import TABLES
@@ -297,8 +297,7 @@ def _run_to_completion(sched: Scheduler, max_steps: int = 200) -> tuple[int, int
         req_ids = list(out.num_scheduled_tokens)
         sampled = [[5] if sched.requests[r].num_computed_tokens >= sched.requests[r].num_prompt_tokens else []
                    for r in req_ids]
-        mro = ModelRunnerOutput(req_ids=req_ids, req_id_to_index={r: i for i, r in enumerate(req_ids)},
-                                sampled_token_ids=sampled)
+        mro = runner_output(req_ids, sampled, None)
         sched.update_from_output(out, mro)
     raise AssertionError("requests did not finish")
 

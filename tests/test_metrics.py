@@ -279,15 +279,16 @@ def _kv_transfer_config(connector: str) -> Any:
 def _worker_and_scheduler_payload() -> dict[str, Any]:
     """Two TP workers and the scheduler side, merged the way vLLM merges them, as the frontend receives it."""
     from vllm.distributed.kv_transfer.kv_connector.utils import KVOutputAggregator
-    from vllm.v1.outputs import KVConnectorOutput, ModelRunnerOutput
+    from vllm.v1.outputs import KVConnectorOutput
+
+    from offload_bench.sim.vllm_compat import runner_output
 
     workers = []
     for rank in range(2):
         sink = OffloadStatsSink()
         sink.record_transfer("load", 16, 1000, 0.01, count_blocks=rank == 0)
         sink.record_transfer("store", 8, 500, 0.02, count_blocks=rank == 0)
-        out = ModelRunnerOutput(req_ids=[], req_id_to_index={})
-        out.kv_connector_output = KVConnectorOutput(kv_connector_stats=sink.take())
+        out = runner_output([], [], KVConnectorOutput(kv_connector_stats=sink.take()))
         workers.append(out)
     merged = KVOutputAggregator(expected_finished_count=2).aggregate(workers)
     worker_stats = merged.kv_connector_output.kv_connector_stats

@@ -66,6 +66,7 @@ class DiskFingerprint:
     dtype: str
     slot_bytes: int
     extra: str = ""
+    vllm: str = ""  # the vLLM minor release that wrote the blocks (files from before this field read as "")
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "group_block_bytes", tuple(int(b) for b in self.group_block_bytes))
@@ -84,7 +85,7 @@ class DiskFingerprint:
         d = json.loads(raw.decode())
         return cls(model=d["model"], group_block_bytes=tuple(d["group_block_bytes"]),
                    block_sizes=tuple(d["block_sizes"]), dtype=d["dtype"], slot_bytes=d["slot_bytes"],
-                   extra=d.get("extra", ""))
+                   extra=d.get("extra", ""), vllm=d.get("vllm", ""))
 
     def differences(self, other: "DiskFingerprint") -> list[str]:
         a, b = asdict(self), asdict(other)

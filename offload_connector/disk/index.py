@@ -222,4 +222,4 @@ def scan_directory(directory: str, fingerprint: DiskFingerprint | None
 def check_fingerprint(header: Header, fingerprint: DiskFingerprint) -> None:
     if header.fingerprint != fingerprint:
         diff = "; ".join(fingerprint.differences(header.fingerprint))
-        raise FingerprintMismatch(f"disk tier was written for a different model or KV layout ({diff})")
+        raise FingerprintMismatch(f"disk tier was written for a different model, KV layout or vLLM release ({diff})")

@@ -65,6 +65,7 @@ class RemoteFingerprint:
     pp_rank: int = 0
     pp_size: int = 1
     extra: str = ""
+    vllm: str = ""  # the vLLM minor release: engines of different releases never share keys
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "group_block_bytes", tuple(int(b) for b in self.group_block_bytes))
@@ -89,7 +90,7 @@ class RemoteFingerprint:
         return cls(model=disk_fp.model, layout=layout, dtype=disk_fp.dtype,
                    group_block_bytes=tuple(disk_fp.group_block_bytes), block_sizes=tuple(disk_fp.block_sizes),
                    slot_bytes=disk_fp.slot_bytes, tp_rank=tp_rank, tp_size=tp_size, pp_rank=pp_rank,
-                   pp_size=pp_size, extra=disk_fp.extra)
+                   pp_size=pp_size, extra=disk_fp.extra, vllm=getattr(disk_fp, "vllm", ""))
 
     def to_json(self) -> bytes:
         return json.dumps(asdict(self), sort_keys=True, separators=(",", ":")).encode()

@@ -12,6 +12,7 @@ import hashlib
 from dataclasses import dataclass
 from typing import Any, Sequence
 
+from offload_connector.compat import vllm_release
 from offload_connector.disk import DiskFingerprint
 from offload_connector.disk.placement import disk_budget, disk_slots, rank_dir
 from offload_connector.log import get_logger
@@ -45,7 +46,8 @@ def current_rank(vllm_config: Any) -> DiskRank:
 def fingerprint_for(vllm_config: Any, kv_cache_config: Any, group_bytes: Sequence[int], slot_bytes: int,
                     rank: DiskRank) -> DiskFingerprint:
     """What must match for this worker's file to hold this worker's KV blocks: the model, each group's block bytes,
-    block size and layers (so a PP stage never reads another's), the KV dtype and this worker's TP/PP position."""
+    block size and layers (so a PP stage never reads another's), the KV dtype, this worker's TP/PP position and the
+    vLLM release."""
     mc = getattr(vllm_config, "model_config", None)
     cc = getattr(vllm_config, "cache_config", None)
     groups = kv_cache_config.kv_cache_groups
@@ -57,6 +59,7 @@ def fingerprint_for(vllm_config: Any, kv_cache_config: Any, group_bytes: Sequenc
         dtype=f"{getattr(cc, 'cache_dtype', 'auto')}/{getattr(mc, 'dtype', '')}",
         slot_bytes=slot_bytes,
         extra=f"tp {rank.tp}/{rank.tp_size} pp {rank.pp}/{rank.pp_size} layers {layers}",
+        vllm=vllm_release(),
     )
 
 

@@ -22,7 +22,7 @@ import math
 import os
 import sys
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
@@ -35,6 +35,9 @@ class ModelDefaults:
     cpu_bytes: int
     max_model_len: int
     trace: str | None
+    # `num_gpu_blocks` counts blocks whose smallest group holds this many tokens (the layout under vLLM 0.32/0.33).
+    # Another block size (0.34's default of 64, or --block-size) gets the same pool in bytes. None: as given.
+    block_tokens: int | None = None
 
 
 # models-and-traces.md §5: the Gemma seed pool, and DeepSeek-V4-Flash cell A. gpt-oss-20b: chosen for pressure, like
@@ -44,9 +47,9 @@ class ModelDefaults:
 # built-in reuse workloads, less than their distinct prompt tokens, so the tier evicts too.
 GPU_BLOCKS_GPT_OSS = 2304
 MODEL_DEFAULTS = {
-    "gemma-4-31b": ModelDefaults(2188, 40 * 2**30, 32768, "gemma4-31b-returning"),
-    "deepseek-v4-flash": ModelDefaults(6144, 48 * 2**30, 1_048_576, "deepseek-v4-flash-1m"),
-    "gpt-oss-20b": ModelDefaults(GPU_BLOCKS_GPT_OSS, 8 * 2**30, 32768, "agent-tool-prefix"),
+    "gemma-4-31b": ModelDefaults(2188, 40 * 2**30, 32768, "gemma4-31b-returning", 16),
+    "deepseek-v4-flash": ModelDefaults(6144, 48 * 2**30, 1_048_576, "deepseek-v4-flash-1m", 4),
+    "gpt-oss-20b": ModelDefaults(GPU_BLOCKS_GPT_OSS, 8 * 2**30, 32768, "agent-tool-prefix", 16),
 }
 DEFAULT_MODEL = "gemma-4-31b"
 CUSTOM_DEFAULTS = ModelDefaults(4096, 40 * 2**30, 32768, None)
@@ -430,6 +433,13 @@ def _offload_config(text: str) -> dict[str, Any]:
     return extra
 
 
+def _block_size(raw: str) -> int:
+    n = int_in(1, 1024)(raw)
+    if n & (n - 1):
+        raise argparse.ArgumentTypeError(f"must be a power of two; got {n}")
+    return n
+
+
 def add_parser(sub: Any) -> None:
     p = sub.add_parser("replay", help="replay a workload through vLLM's real scheduler with several connectors",
                        description=__doc__)
@@ -445,6 +455,10 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--gpu-blocks", type=int_in(MIN_GPU_BLOCKS, MAX_GPU_BLOCKS),
                    help=f"GPU KV pool blocks, {MIN_GPU_BLOCKS} to {MAX_GPU_BLOCKS:,} and at least one max_model_len "
                         f"request's worth (default per model: gemma 2188, deepseek 6144, gpt-oss {GPU_BLOCKS_GPT_OSS})")
+    p.add_argument("--block-size", type=_block_size,
+                   help="tokens per KV cache block asked of vLLM, as vllm serve --block-size: a power of two, 1 to "
+                        "1024 (default: this vLLM release's, 16 up to 0.33, 64 from 0.34); the default --gpu-blocks "
+                        "keeps the same bytes")
     p.add_argument("--cpu-bytes", type=parse_bytes, help="CPU tier size, at least one host block, at most 1 PiB "
                    "(default per model: 40GiB / 48GiB / 8GiB)")
     p.add_argument("--max-num-batched-tokens", type=int_in(1, MAX_BATCHED_TOKENS), default=1024,
@@ -586,6 +600,11 @@ def run(args: argparse.Namespace) -> int:
     from offload_bench.platform import use_cpu_platform
 
     use_cpu_platform()  # before vLLM is imported
+    if args.block_size is not None:
+        from offload_bench.sim.layouts import BLOCK_SIZE_ENV
+        os.environ[BLOCK_SIZE_ENV] = str(args.block_size)
+    if args.gpu_blocks is None and md.block_tokens is not None:
+        md = replace(md, num_gpu_blocks=_same_bytes(model, md))
     settings = _engine_settings(args, model, md, td, pp, spec_k, time_model)
     if args.engines > 1:
         return _run_router(args, workload, settings)
@@ -602,6 +621,14 @@ def run(args: argparse.Namespace) -> int:
         args, model, [(kind, lambda kind=kind: ReplayEngine(kind, cfg, SimClock(cfg.time_model)))
                       for kind in cfg.connectors], cfg,
         lambda: run_replay(workload, cfg, progress=_Bars(not args.no_progress)), header, render, plots=True)
+
+
+def _same_bytes(model: str, md: ModelDefaults) -> int:
+    """The default pool in blocks of the block size this release (or --block-size) lays `model` out in: the same
+    bytes as `md.num_gpu_blocks` blocks whose smallest group holds `md.block_tokens` tokens."""
+    from offload_bench.sim.layouts import smallest_block_size
+
+    return md.num_gpu_blocks * md.block_tokens // smallest_block_size(model, md.max_model_len)
 
 
 def _engine_settings(args: argparse.Namespace, model: str, md: ModelDefaults, td: TraceDefaults, pp: int,

@@ -88,12 +88,12 @@ class TimedFakeOffloadingWorker(FakeOffloadingWorker):
         self.tally = TransferTally()
 
     def _submit(self, kind: str, job_id: int, gpu_spec: Any) -> bool:
-        nbytes = self._bytes(gpu_spec)
+        nbytes, nblocks = self._measure(gpu_spec)
         is_load = kind != "store"
         due = self.clock.schedule_transfer("load" if is_load else "store", nbytes)
         self._queues[kind].append(_Job(job_id, due, nbytes))  # type: ignore[arg-type]
         self.submitted[kind] += 1
-        self.blocks[kind] += len(gpu_spec.block_ids)
+        self.blocks[kind] += nblocks
         self.tally.add(is_load, nbytes)
         return True
 

@@ -109,9 +109,9 @@ def build_vllm_config(
     mc = ModelConfig(model=model_dir(name_or_path), skip_tokenizer_init=True, dtype="bfloat16",
                      max_model_len=max_model_len, hf_overrides=_without_weight_quantization, language_model_only=True)
     max_model_len = mc.max_model_len  # None: the model's own
-    # vLLM's default; the backends' preferred size replaces it once the layers are built (`_derive`), as the
-    # executor does after loading the model.
-    block = CacheConfig.DEFAULT_BLOCK_SIZE
+    # vLLM's default (or `--block-size`); the backends' preferred size replaces it once the layers are built
+    # (`_derive`), as the executor does after loading the model.
+    block = requested_block_size()
     with cpu_configs():
         vc = VllmConfig(
             model_config=mc,
@@ -337,6 +337,21 @@ def _cuda_events_where_torch_has_none() -> Iterator[None]:
         torch.cuda.Event = orig  # type: ignore[misc]
 
 
+BLOCK_SIZE_ENV = "OC_SIM_BLOCK_SIZE"
+
+
+def requested_block_size() -> int:
+    """The block size a deployment asks for, as `vllm serve --block-size`: `OC_SIM_BLOCK_SIZE` (the replay's
+    `--block-size` sets it) or this release's default (16 up to vLLM 0.33, 64 from 0.34). The attention backends may
+    still prefer another (DeepSeek V4's sparse MLA takes 256), as in vLLM."""
+    raw = os.environ.get(BLOCK_SIZE_ENV, "")
+    if not raw:
+        return CacheConfig.DEFAULT_BLOCK_SIZE
+    if not raw.isdigit() or int(raw) <= 0 or int(raw) & (int(raw) - 1):
+        raise ValueError(f"{BLOCK_SIZE_ENV} must be a power of two; got {raw!r}")
+    return int(raw)
+
+
 def _derive(vc: VllmConfig) -> _Derived:
     """Build the model's layers as vLLM does, with no weights (meta device), and ask each attention layer for its
     spec as `GPUModelRunner.get_kv_cache_spec` does, with CPU backends swapped for their CUDA counterparts.
@@ -353,7 +368,8 @@ def _derive(vc: VllmConfig) -> _Derived:
         raise UnsupportedModelError(f"{arch} is an encoder-decoder model (cross-attention caches); only decoder KV "
                                     "caches are simulated")
     cfg_file = Path(mc.model) / "config.json"
-    key = (str(cfg_file.resolve()), cfg_file.read_bytes(), str(cc.cache_dtype), str(mc.dtype), mc.max_model_len)
+    key = (str(cfg_file.resolve()), cfg_file.read_bytes(), str(cc.cache_dtype), str(mc.dtype), mc.max_model_len,
+           requested_block_size())
     if (hit := _derived_cache.get(key)) is not None:
         cc.block_size, cc.cache_dtype = hit.block_size, hit.cache_dtype
         return hit
@@ -371,7 +387,7 @@ def _derive(vc: VllmConfig) -> _Derived:
     before = set(ctx)
     specs: dict[str, KVCacheSpec] = {}
     used: list[type] = []
-    cc.block_size = CacheConfig.DEFAULT_BLOCK_SIZE
+    cc.block_size = requested_block_size()
     try:
         with torch.device("meta"), _cuda_events_where_torch_has_none():  # parameters without storage
             initialize_model(vc)
@@ -379,8 +395,7 @@ def _derive(vc: VllmConfig) -> _Derived:
         backends = {n: _cuda_backend(m.get_attn_backend()) for n, m in layers.items()}
         distinct = list(dict.fromkeys(b for b in backends.values() if not b.is_ssm()))
         if distinct:  # Platform.update_block_size_for_backend, as on CUDA (the CPU platform prefers 128)
-            cc.block_size = Platform._preferred_block_size_for_backends(distinct, CacheConfig.DEFAULT_BLOCK_SIZE,
-                                                                         vc)
+            cc.block_size = Platform._preferred_block_size_for_backends(distinct, requested_block_size(), vc)
         with set_current_vllm_config(vc):
             for name, layer in layers.items():
                 if isinstance(layer, Attention) and layer.kv_sharing_target_layer_name:
@@ -501,6 +516,13 @@ def check_model(name_or_path: str, *, max_model_len: int | None = None) -> None:
         msg = " ".join(msg.removeprefix("Value error, ").split()).split(" Supported architectures:")[0]
         raise ValueError(msg) from None
     layer_specs(vc)
+
+
+def smallest_block_size(name_or_path: str, max_model_len: int | None = None) -> int:
+    """Tokens per block of the model's smallest KV cache group, as this release (and `requested_block_size`) lays
+    it out: what a pool given in blocks of another layout is rescaled by."""
+    vc = build_vllm_config(name_or_path, max_model_len=max_model_len, max_num_batched_tokens=1024, num_gpu_blocks=1)
+    return min(spec.block_size for spec in _derive(vc).specs.values())
 
 
 def build_sim_model(name_or_path: str, *, vllm_config: VllmConfig, num_blocks: int) -> SimModel:

@@ -64,13 +64,15 @@ class FakeOffloadingWorker(OffloadingWorker):
         self.submitted = {"store": 0, "load": 0, "expedited": 0}
         self.blocks = {"store": 0, "load": 0, "expedited": 0}
 
-    def _submit(self, kind: str, job_id: int, gpu: Any) -> bool:
-        # vLLM <= 0.33 hands over the GPU side as a `GPULoadStoreSpec` (block ids per group); 0.34 as resolved
-        # `DevicePointers` (one copy op per block and data reference, with its byte size).
+    def _measure(self, gpu: Any) -> tuple[int, int]:
+        """Bytes and GPU blocks of a job's GPU side: a `GPULoadStoreSpec` (block ids per group) up to vLLM 0.33,
+        resolved `DevicePointers` (one copy op per block and data reference, with its byte size) from 0.34."""
         if hasattr(gpu, "group_block_counts"):
-            nbytes, nblocks = int(gpu.sizes.sum()), int(sum(gpu.group_block_counts))
-        else:
-            nbytes, nblocks = self._bytes(gpu), len(gpu.block_ids)
+            return int(gpu.sizes.sum()), int(sum(gpu.group_block_counts))
+        return self._bytes(gpu), len(gpu.block_ids)
+
+    def _submit(self, kind: str, job_id: int, gpu: Any) -> bool:
+        nbytes, nblocks = self._measure(gpu)
         self._queues[kind].append(_Job(job_id, self.now + self.latency, nbytes))
         self.submitted[kind] += 1
         self.blocks[kind] += nblocks

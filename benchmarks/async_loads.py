@@ -1,0 +1,57 @@
+"""vLLM 0.34's loads while the running batch is full, measured: `--max-num-inflight-kv-loads` with and without the
+connector's `may_load_async` (offload_bench/sim/full_batch.py: two decoders hold both running slots, requests return
+with a 2,000-token prefix in the CPU tier). Steps of vLLM's real scheduler; no time model.
+
+    .venv-vllm034/bin/python benchmarks/async_loads.py [--returning 2] [--json F]
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import sys
+
+from offload_bench.platform import use_cpu_platform
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--returning", type=int, choices=range(1, 9), default=2, metavar="1..8")
+    p.add_argument("--json", help="write the rows here")
+    args = p.parse_args(argv)
+    use_cpu_platform()
+    import vllm
+
+    from offload_bench.sim import full_batch
+
+    if not full_batch_supported():
+        print(f"async_loads: --max-num-inflight-kv-loads needs vLLM >= 0.34 (this is {vllm.__version__})",
+              file=sys.stderr)
+        return 2
+    rows = []
+    for inflight in (None, 1, 2, 4):
+        for override in (False, True):
+            if inflight is None and override:
+                continue  # without the cap vLLM never asks
+            r = full_batch.run(override, inflight, returning=args.returning)
+            rows.append(dataclasses.asdict(r))
+            print(f"inflight cap {inflight!s:>4}  may_load_async {'ours' if override else 'vLLM default':>12}: "
+                  f"first load after {r.first_load_step} steps, first tokens after {r.first_token_steps} steps, "
+                  f"{r.loaded_tokens:,} tokens loaded, {r.not_started} not started, drained {r.drained}",
+                  flush=True)
+    print(f"vLLM {vllm.__version__}")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"vllm": vllm.__version__, "rows": rows}, f, indent=1)
+    return 0
+
+
+def full_batch_supported() -> bool:
+    from vllm.config import SchedulerConfig
+
+    return "max_num_inflight_kv_loads" in SchedulerConfig.__dataclass_fields__
+
+
+if __name__ == "__main__":
+    sys.exit(main())
