@@ -64,6 +64,27 @@ def test_junction_stores_the_window_where_two_requests_diverge():
     assert _serve(drv, "c", a[:704] + tokens(3, 200), hbs) == 704
 
 
+def test_the_junction_is_handed_to_vllm_which_keeps_the_window_on_the_gpu():
+    """vLLM 0.34 keeps a sliding window in the GPU prefix cache at `request.shared_prefix_boundary`: with the
+    junction there, a third request sharing the prefix resumes at it from the GPU, loading nothing."""
+    drv, hbs = _driver(window_checkpoint_tokens=0)
+    a = tokens(1, 1000)
+    _serve(drv, "a", a, hbs)
+    b = make_request("b", a[:704] + tokens(2, 300), 2, hbs)
+    if not hasattr(b, "shared_prefix_boundary"):
+        pytest.skip("shared_prefix_boundary is new in vLLM 0.34")
+    drv.add([b])
+    assert not drv.run().stalled and b.shared_prefix_boundary == 704
+    loaded = drv.side.counters.loaded_tokens
+    local: dict[str, int] = {}  # the GPU prefix-cache hit vLLM reports at each request's first lookup
+    lookup = drv.side.get_num_new_matched_tokens
+    drv.side.get_num_new_matched_tokens = lambda r, n: (local.setdefault(r.request_id, n), lookup(r, n))[1]
+    c = make_request("c", a[:704] + tokens(3, 200), 2, hbs)
+    drv.add([c])
+    assert not drv.run().stalled
+    assert local["c"] == 704 and drv.side.counters.loaded_tokens == loaded  # from the GPU prefix cache
+
+
 def test_a_prompt_sent_again_resumes_one_block_before_its_end():
     """A prompt whose length is a multiple of the block size hits at most num_tokens - 1, so it resumes a block
     before its end; that window is stored too (before, such a resend loaded nothing)."""

@@ -62,6 +62,9 @@ class AdmissionControl:
         self.disk: DiskTierPlanner | None = None
         # The shared tier (None when off): the same, from a store several engines share (scheduler/remote_tier).
         self.remote: RemoteTierPlanner | None = None
+        # vLLM 0.34 keeps a window in the GPU prefix cache at `request.shared_prefix_boundary` (unless its
+        # `prefix_cache_retention_interval` is None); set by the scheduler side from the config.
+        self.mark_junctions = False
 
     def bind(self, kv: KVBinding) -> None:
         self.kv = kv
@@ -106,6 +109,10 @@ class AdmissionControl:
             state.unshared = max(full if layout.has_full else 0, hit, local) == 0
         if junction > hit and state is not None and layout.has_full and layout.has_recycling:
             state.junctions.add(junction)
+            # The recompute from `hit` then keeps the window at the junction on the GPU as well, so the next
+            # request sharing this prefix resumes there from the GPU prefix cache. Never lower vLLM's own.
+            if self.mark_junctions and junction > getattr(request, "shared_prefix_boundary", junction):
+                request.shared_prefix_boundary = junction
         return hit
 
     def probe(self, request: Any) -> int:

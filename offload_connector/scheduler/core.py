@@ -67,6 +67,8 @@ class OffloadScheduler:
         self.jobs = JobBook(self.tier, self._events, self.reporters)
         self.admission = AdmissionControl(config, layout, self.tier, self._requests, self.jobs, self.counters,
                                           self.stats, self.fair)
+        cache_config = getattr(vllm_config, "cache_config", None)
+        self.admission.mark_junctions = getattr(cache_config, "prefix_cache_retention_interval", None) is not None
         self.stores = StorePlanner(config, layout, self.tier, self.jobs, self._events, self.counters)
         self.disk: DiskTierPlanner | None = None
         if config.disk_path is not None:
