@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 from dataclasses import dataclass, field
+from typing import Any
 
 from offload_bench.sim.custom import GroupDesc, build_custom, cold_need
 from offload_bench.sim.driver import LoadContentError, SchedulerDriver
@@ -118,13 +119,22 @@ def _cold_need(case: FuzzCase, length: int, in_flight: int) -> int:
 def run_case(case: FuzzCase, max_steps: int = 20_000) -> FuzzOutcome:
     outcome = FuzzOutcome()
     longest = max(max(first + mt, keep + new + mt) for first, mt, keep, new in case.sessions)
-    in_flight = max(2, case.pipeline_parallel_size) * case.max_num_batched_tokens
-    num_blocks = int(_cold_need(case, longest, in_flight) * case.pool_factor) + 2
-    sched, hash_bs = build_custom(case.groups, num_blocks=num_blocks,
-                                  max_num_batched_tokens=case.max_num_batched_tokens, max_model_len=MAX_MODEL_LEN,
-                                  kv_transfer_config=connector_config("exact", 1 << 40),
-                                  num_speculative_tokens=case.num_spec_tokens, spec_method=case.spec_method,
-                                  pipeline_parallel_size=case.pipeline_parallel_size)
+
+    def build(batches: int) -> tuple[Any, int]:
+        # A pool that can hold the longest request cold next to `batches` batches in flight: vLLM reserves room for
+        # every batch it keeps in flight (`max_concurrent_batches`: 2 under async scheduling, PP batches up to 0.33,
+        # PP + 1 from 0.34) and schedules nothing in a smaller pool, connector or not.
+        num_blocks = int(_cold_need(case, longest, batches * case.max_num_batched_tokens) * case.pool_factor) + 2
+        return build_custom(case.groups, num_blocks=num_blocks, max_num_batched_tokens=case.max_num_batched_tokens,
+                            max_model_len=MAX_MODEL_LEN, kv_transfer_config=connector_config("exact", 1 << 40),
+                            num_speculative_tokens=case.num_spec_tokens, spec_method=case.spec_method,
+                            pipeline_parallel_size=case.pipeline_parallel_size)
+
+    assumed = max(2, case.pipeline_parallel_size)
+    sched, hash_bs = build(assumed)
+    batches = int(getattr(sched.vllm_config, "max_concurrent_batches", assumed) or assumed)
+    if batches > assumed:
+        sched, hash_bs = build(batches)
     peaks = PeakChecker()
     drv = SchedulerDriver(sched, TagCopier(case.latency_steps), spec_seed=case.seed, peaks=peaks)
     base = [tokens(case.seed + s, first) for s, (first, _, _, _) in enumerate(case.sessions)]
