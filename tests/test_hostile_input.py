@@ -122,6 +122,10 @@ DEEP_JSON = "[" * 50_000 + "]" * 50_000  # one argv string stays under Linux's 1
 # (id, command line; "{name}" is replaced by the path of fixture file `name`, expected words in the message)
 CASES: list[tuple[str, Any, str]] = [
     # ---- replay: numbers
+    ("replay --block-size 0", _sub("replay", "--block-size", "0"), "--block-size"),
+    ("replay --block-size 48", _sub("replay", "--block-size", "48"), "power of two"),
+    ("replay --block-size 4096", _sub("replay", "--block-size", "4096"), "allowed: 1 to 1,024"),
+    ("replay --block-size x", _sub("replay", "--block-size", "x"), "not an integer"),
     ("replay --gpu-blocks 0", _sub("replay", "--gpu-blocks", "0"), "--gpu-blocks"),
     ("replay --gpu-blocks 1", _sub("replay", "--gpu-blocks", "1"), "allowed: 2 to"),
     ("replay --gpu-blocks -5", _sub("replay", "--gpu-blocks", "-5"), "--gpu-blocks"),
