@@ -178,10 +178,7 @@ class AdmissionControl:
                 if self._aged_out(request, state, local, hit, step, since=capped_since):
                     return 0, False
                 self.counters.not_started += 1
-                self.stats.record_deferral("not_started")
-                self._keep_warm(request, local, hit)
-                if self.config.admission_policy == "fair":
-                    self.fair.defer(request, step, sum(plan.now), plan.total)
+                self._waits(request, local, hit, step, plan, "not_started")
             else:
                 self.fair.clear(request.request_id)
                 state.deferred_since = None
@@ -194,10 +191,7 @@ class AdmissionControl:
             if self._aged_out(request, state, local, hit, step, since=step):
                 return 0, False
             self.counters.deferrals += 1
-            self.stats.record_deferral("pool_full")
-            self._keep_warm(request, local, hit)
-            if self.config.admission_policy == "fair":
-                self.fair.defer(request, step, sum(plan.now), plan.total)
+            self._waits(request, local, hit, step, plan, "pool_full")
             return None, False
         # TOO_BIG: the request's blocks through its prompt do not fit even an idle pool. A shorter hit would not
         # help: a load's total (now + remaining) is the request's need at its target minus the local blocks it
@@ -209,6 +203,14 @@ class AdmissionControl:
         self.stats.record_deferral("too_big")
         state.no_load = True
         return 0, False
+
+    def _waits(self, request: Any, local: int, hit: int, step: int, plan: ledger.LoadPlan, reason: str) -> None:
+        """A load that waits this step (for room, or for vLLM to start it): counted under `reason`, its tier entries
+        kept warm, and under fair admission newer requests held back for it."""
+        self.stats.record_deferral(reason)
+        self._keep_warm(request, local, hit)
+        if self.config.admission_policy == "fair":
+            self.fair.defer(request, step, sum(plan.now), plan.total)
 
     def _aged_out(self, request: Any, state: ReqState, local: int, hit: int, step: int, since: int) -> bool:
         """Start (at `since`) or continue the request's deferral clock; past `max_deferral_steps` give the load up:
