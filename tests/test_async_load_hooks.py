@@ -10,6 +10,7 @@
 
 from __future__ import annotations
 
+import random
 from types import SimpleNamespace
 
 import pytest
@@ -108,6 +109,25 @@ def test_hit_sources_split_a_load_by_the_farthest_tier_covering_each_token() -> 
     split = AdmissionControl._hit_sources(me, [1], [2], ["d2"], 0, 96)
     assert split == {"disk": 96}
     assert sum(AdmissionControl._hit_sources(me, [0], [0], ["h0"], 0, 16).values()) == 16
+    # Against a walk over every token, on random loads.
+    rng = random.Random(7)
+    for _ in range(200):
+        local = rng.randrange(0, 6) * 16
+        hit = local + rng.randrange(1, 12) * 32
+        picks = [(g, i) for g in (0, 1) for i in range(hit // groups[g].block_size) if rng.random() < 0.6]
+        keys = [rng.choice("hds") + str(i) for _, i in picks]
+        got = AdmissionControl._hit_sources(me, [g for g, _ in picks], [i for _, i in picks], keys, local, hit)
+        rank = [-1] * (hit - local)
+        for (g, i), k in zip(picks, keys):
+            bs = groups[g].block_size
+            for t in range(max(local, i * bs), min(hit, (i + 1) * bs)):
+                rank[t - local] = max(rank[t - local], "hds".index(k[0]))
+        far = max(rank, default=0)
+        want = {}
+        for r in rank:
+            name = ("host", "disk", "shared")[far if r < 0 else r]
+            want[name] = want.get(name, 0) + 1
+        assert got == want, (local, hit, picks, keys)
 
 
 def test_the_connector_reports_a_cpu_tier_load_as_host() -> None:

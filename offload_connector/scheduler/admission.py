@@ -3,7 +3,6 @@ the load job issued once vLLM has allocated the request's blocks."""
 
 from __future__ import annotations
 
-import math
 from collections import deque
 from dataclasses import dataclass
 from typing import Any, Callable
@@ -392,22 +391,20 @@ class AdmissionControl:
                      hit: int) -> dict[str, int]:
         """The load's tokens `local`..`hit` split by the tier they come from (before the load pins or promotes
         anything): a token counts for the farthest tier among the loaded blocks that cover it; a token no loaded
-        block covers (below every window of a layout without full attention) for the farthest tier of the load."""
-        def tier_of(key: Any) -> int:
-            if self.tier.is_ready(key):
-                return 0
-            return 1 if self.disk is not None and self.disk.readable(key) else 2
-
-        unit = math.gcd(local, hit, *(g.block_size for g in self.layout.groups))
-        rank = [-1] * ((hit - local) // unit)
+        block covers (below every window of a layout without full attention) for the farthest tier of the load.
+        Interval unions, not a walk over tokens: a million-token load has a few hundred thousand blocks."""
+        spans: list[list[tuple[int, int]]] = [[], [], []]  # per tier (host, disk, shared): the token spans covered
         for gi, i, key in zip(groups_, indices, keylist):
-            bs, r = self.layout.groups[gi].block_size, tier_of(key)
-            for u in range((max(local, i * bs) - local) // unit, (min(hit, (i + 1) * bs) - local) // unit):
-                rank[u] = max(rank[u], r)
-        farthest = max(rank, default=0)
-        counts = [0, 0, 0]
-        for r in rank:
-            counts[farthest if r < 0 else r] += unit
+            bs = self.layout.groups[gi].block_size
+            lo, hi = max(local, i * bs), min(hit, (i + 1) * bs)
+            if lo < hi:
+                r = 0 if self.tier.is_ready(key) else 1 if self.disk is not None and self.disk.readable(key) else 2
+                spans[r].append((lo, hi))
+        # Tokens whose farthest tier is at least r: the union of the spans of tiers r and beyond.
+        at_least = [_covered(spans[0] + spans[1] + spans[2]), _covered(spans[1] + spans[2]), _covered(spans[2])]
+        counts = [at_least[0] - at_least[1], at_least[1] - at_least[2], at_least[2]]
+        farthest = max((r for r in range(3) if spans[r]), default=0)
+        counts[farthest] += (hit - local) - at_least[0]
         return {name: n for name, n in zip(HIT_SOURCES, counts) if n}
 
     def _start_load_with_read_backs(self, request: Any, groups_: list[int], gpu: list[int], keylist: list[Any],
@@ -457,6 +454,19 @@ class AdmissionControl:
     def _kv(self) -> KVBinding:
         assert self.kv is not None, "bind_kv_cache_manager was not called"
         return self.kv
+
+
+def _covered(spans: list[tuple[int, int]]) -> int:
+    """Tokens in the union of half-open spans."""
+    total, end = 0, None
+    for lo, hi in sorted(spans):
+        if end is None or lo > end:
+            total += hi - lo
+            end = hi
+        elif hi > end:
+            total += hi - end
+            end = hi
+    return total
 
 
 def _in_prefill(request: Any) -> bool:
