@@ -147,7 +147,7 @@ def test_cli_offload_config_is_checked_before_the_run(text, needle, capsys: pyte
 def test_ours_resumes_a_prefix_shared_up_to_a_point_inside_an_earlier_prompt() -> None:
     """A 12,288-token prompt, filler, then two requests sharing its first 9,216 tokens (a point inside it). The
     first resumes at the 8,192-token checkpoint; it computes through 9,216 and stores the window there (a junction),
-    so the second resumes at 9,216."""
+    so the second resumes at 9,216 (from the GPU prefix cache, which keeps the window at the junction too)."""
     first = list(range(24))
     lines = [_line(0, 12288, 4, first)]
     lines += [_line(1000 + 200 * i, 8000, 2, list(range(1000 + 16 * i, 1016 + 16 * i))) for i in range(10)]
@@ -156,9 +156,7 @@ def test_ours_resumes_a_prefix_shared_up_to_a_point_inside_an_earlier_prompt() -
     out = run_replay(w, _cfg(("offload", "none")))
     res = {r.result.connector: r.result for r in out.runs}
     assert not res["offload"].stalled and res["offload"].requests_completed == 13
-    # vLLM 0.34 takes the junction as the first one's `shared_prefix_boundary` and keeps the window at 9,216 in the
-    # GPU prefix cache as well: the second then resumes there from the GPU, loading nothing from the CPU tier.
-    from offload_connector.compat import vllm_release
-    junction_on_gpu = vllm_release() >= "0.34"
-    assert res["offload"].tokens_loaded_from_cpu == 8192 + (0 if junction_on_gpu else 9216)
+    # vLLM takes the junction as the first one's `shared_prefix_boundary` and caches the window at 9,216 in the GPU
+    # prefix cache as well: the second then resumes there from the GPU, loading nothing from the CPU tier.
+    assert res["offload"].tokens_loaded_from_cpu == 8192
     assert res["offload"].tokens_recomputed < res["none"].tokens_recomputed

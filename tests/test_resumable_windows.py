@@ -65,14 +65,12 @@ def test_junction_stores_the_window_where_two_requests_diverge():
 
 
 def test_the_junction_is_handed_to_vllm_which_keeps_the_window_on_the_gpu():
-    """vLLM 0.34 keeps a sliding window in the GPU prefix cache at `request.shared_prefix_boundary`: with the
-    junction there, a third request sharing the prefix resumes at it from the GPU, loading nothing."""
+    """vLLM (0.32 to 0.34) keeps a sliding window in the GPU prefix cache at `request.shared_prefix_boundary`: with
+    the junction there, a third request sharing the prefix resumes at it from the GPU, loading nothing."""
     drv, hbs = _driver(window_checkpoint_tokens=0)
     a = tokens(1, 1000)
     _serve(drv, "a", a, hbs)
     b = make_request("b", a[:704] + tokens(2, 300), 2, hbs)
-    if not hasattr(b, "shared_prefix_boundary"):
-        pytest.skip("shared_prefix_boundary is new in vLLM 0.34")
     drv.add([b])
     assert not drv.run().stalled and b.shared_prefix_boundary == 704
     loaded = drv.side.counters.loaded_tokens

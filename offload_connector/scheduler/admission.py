@@ -61,7 +61,7 @@ class AdmissionControl:
         self.disk: DiskTierPlanner | None = None
         # The shared tier (None when off): the same, from a store several engines share (scheduler/remote_tier).
         self.remote: RemoteTierPlanner | None = None
-        # vLLM 0.34 keeps a window in the GPU prefix cache at `request.shared_prefix_boundary` (unless its
+        # vLLM (0.32 to 0.34) caches a window in the GPU prefix cache at `request.shared_prefix_boundary` (unless its
         # `prefix_cache_retention_interval` is None); set by the scheduler side from the config.
         self.mark_junctions = False
 
