@@ -39,7 +39,8 @@ def main() -> int:
     except ImportError:  # pragma: no cover
         tqdm = None
     rng = random.Random(args.seed)
-    totals = {"examples": 0, "mismatches": 0, "peak_violations": 0, "loads_peak_checked": 0, "stalls": 0, "idle_zero_token_steps": 0, "undrained": 0,
+    totals = {"examples": 0, "mismatches": 0, "peak_violations": 0, "loads_peak_checked": 0, "stalls": 0, "idle_zero_token_steps": 0,
+              "idle_steps_vllm_own": 0, "undrained": 0,
               "errors": 0, "admitted_loads": 0, "loaded_tokens": 0, "deferrals": 0, "too_big": 0,
               "drafts_scheduled": 0, "drafts_accepted": 0}
     by_spec: dict[str, dict[str, int]] = {}
@@ -69,6 +70,7 @@ def main() -> int:
         totals["loads_peak_checked"] += out.loads_peak_checked
         totals["stalls"] += out.stalls
         totals["idle_zero_token_steps"] += out.idle_zero_steps
+        totals["idle_steps_vllm_own"] += out.vllm_idle_steps
         totals["undrained"] += out.undrained
         totals["admitted_loads"] += out.admissions
         totals["loaded_tokens"] += out.loaded_tokens
