@@ -25,7 +25,9 @@ def main(argv: list[str] | None = None) -> int:
 
     from offload_bench.sim import full_batch
 
-    if not full_batch_supported():
+    from offload_bench.sim.vllm_compat import has_inflight_load_cap
+
+    if not has_inflight_load_cap():
         print(f"async_loads: --max-num-inflight-kv-loads needs vLLM >= 0.34 (this is {vllm.__version__})",
               file=sys.stderr)
         return 2
@@ -45,12 +47,6 @@ def main(argv: list[str] | None = None) -> int:
         with open(args.json, "w") as f:
             json.dump({"vllm": vllm.__version__, "rows": rows}, f, indent=1)
     return 0
-
-
-def full_batch_supported() -> bool:
-    from vllm.config import SchedulerConfig
-
-    return "max_num_inflight_kv_loads" in SchedulerConfig.__dataclass_fields__
 
 
 if __name__ == "__main__":

@@ -18,15 +18,11 @@ import pytest
 from offload_bench.sim import full_batch
 from offload_bench.sim.full_batch import PREFIX, warm
 from offload_bench.sim.requests import make_request, tokens
+from offload_bench.sim.vllm_compat import has_inflight_load_cap
 from offload_connector.scheduler.admission import AdmissionControl
 
 
-def _has_inflight_cap() -> bool:
-    from vllm.config import SchedulerConfig
-    return "max_num_inflight_kv_loads" in SchedulerConfig.__dataclass_fields__
-
-
-needs_034 = pytest.mark.skipif(not _has_inflight_cap(), reason="--max-num-inflight-kv-loads is new in vLLM 0.34")
+needs_034 = pytest.mark.skipif(not has_inflight_load_cap(), reason="--max-num-inflight-kv-loads is new in vLLM 0.34")
 
 
 def test_requests_vllm_reads_no_external_kv_for_are_answered_zero_without_a_lookup() -> None:

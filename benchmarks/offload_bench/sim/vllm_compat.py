@@ -44,3 +44,10 @@ def cpu_configs() -> Iterator[None]:
         yield
     finally:
         triton_utils.HAS_TRITON = saved
+
+
+def has_inflight_load_cap() -> bool:
+    """Whether this vLLM has `--max-num-inflight-kv-loads` and `may_load_async` (0.34)."""
+    from vllm.config import SchedulerConfig
+
+    return "max_num_inflight_kv_loads" in SchedulerConfig.__dataclass_fields__
