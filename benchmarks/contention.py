@@ -127,8 +127,19 @@ def run_once(index: int, tests: list[str], out: Path, python: str, timeout_s: fl
             proc.wait()
             rc = -9
     cases = parse_junit(xml)
-    return {"run": index, "rc": rc, "seconds": round(time.monotonic() - t0, 1), "load_avg_1m": load_average(),
-            "timed_out": rc == -9, "cases": cases}
+    record = {"run": index, "rc": rc, "seconds": round(time.monotonic() - t0, 1), "load_avg_1m": load_average(),
+              "timed_out": rc == -9, "commit": _commit()}
+    # Beside the JUnit XML, so that runs gathered over several sittings (and machines) keep what they ran on.
+    (run_dir / "run.json").write_text(json.dumps(record))
+    return {**record, "cases": cases}
+
+
+def _commit() -> str | None:
+    try:
+        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, capture_output=True, text=True,
+                              timeout=10).stdout.strip() or None
+    except (OSError, subprocess.SubprocessError):
+        return None
 
 
 def finished_runs(out: Path) -> list[dict[str, Any]]:
@@ -137,8 +148,10 @@ def finished_runs(out: Path) -> list[dict[str, Any]]:
     for run_dir in sorted(out.glob("run-[0-9][0-9][0-9]")):
         xml = run_dir / "junit.xml"
         if xml.exists():
-            runs.append({"run": int(run_dir.name[4:]), "rc": None, "seconds": None, "load_avg_1m": None,
-                         "timed_out": False, "cases": parse_junit(xml), "resumed": True})
+            meta = run_dir / "run.json"
+            record = json.loads(meta.read_text()) if meta.exists() else {
+                "run": int(run_dir.name[4:]), "rc": None, "seconds": None, "load_avg_1m": None, "timed_out": False}
+            runs.append({**record, "cases": parse_junit(xml), "resumed": True})
     return runs
 
 
