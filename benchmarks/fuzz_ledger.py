@@ -41,6 +41,7 @@ def main() -> int:
     rng = random.Random(args.seed)
     totals = {"examples": 0, "mismatches": 0, "peak_violations": 0, "loads_peak_checked": 0, "stalls": 0, "idle_zero_token_steps": 0,
               "idle_steps_vllm_own": 0, "undrained": 0,
+              "starved": 0, "deferred_loads": 0, "longest_deferral": 0,
               "errors": 0, "admitted_loads": 0, "loaded_tokens": 0, "deferrals": 0, "too_big": 0,
               "drafts_scheduled": 0, "drafts_accepted": 0}
     by_spec: dict[str, dict[str, int]] = {}
@@ -72,6 +73,9 @@ def main() -> int:
         totals["idle_zero_token_steps"] += out.idle_zero_steps
         totals["idle_steps_vllm_own"] += out.vllm_idle_steps
         totals["undrained"] += out.undrained
+        totals["starved"] += len(out.starved)
+        totals["deferred_loads"] += out.deferred_loads
+        totals["longest_deferral"] = max(totals["longest_deferral"], out.longest_deferral)
         totals["admitted_loads"] += out.admissions
         totals["loaded_tokens"] += out.loaded_tokens
         for name in ("deferrals", "too_big", "drafts_scheduled", "drafts_accepted"):
@@ -82,7 +86,7 @@ def main() -> int:
             row["failed"] += 1
             pp_row["failed"] += 1
             failures.append({"case": repr(case), "mismatches": out.mismatches[:3],
-                             "peak_violations": out.peak_violations[:3], "stalls": out.stalls,
+                             "peak_violations": out.peak_violations[:3], "stalls": out.stalls, "starved": out.starved[:3],
                              "idle_zero_steps": out.idle_zero_steps, "undrained": out.undrained})
         if tqdm and i % 50 == 0:
             bar.set_postfix(mismatch=totals["mismatches"], peak=totals["peak_violations"], stalls=totals["stalls"],

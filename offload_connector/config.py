@@ -38,9 +38,10 @@ class OffloadConfig:
     # their blocks would leave it without that room, so a stream of newer requests cannot starve it. "greedy":
     # every request is admitted as soon as it fits, whoever waits longer.
     admission_policy: str = "fair"
-    # Under "fair", a deferred load starts holding newer requests back once it has waited this many steps. Holding
-    # from the first step made short requests wait behind loads that had to wait for long decoders anyway
-    # (decode-heavy replay, Gemma 4 31B: TTFT p95 14.9 s at 0, 13.3 s at 200, 10.4 s at 1,000); 0 holds at once.
+    # Under "fair", a deferred load holds newer requests back while the blocks they hold are what it waits for, and
+    # every newer request once it has waited this many steps (0: at once). Holding everyone from the first step made
+    # short requests wait behind loads that had to wait for long decoders anyway (decode-heavy replay, Gemma 4 31B:
+    # TTFT p95 14.9 s at 0, 13.3 s at 200, 10.4 s at 1,000).
     fair_hold_after_steps: int = 1000
     # Sliding-window and chunked-local blocks are stored for the windows a later request can resume from: the last
     # full block of every prompt, every boundary after it, prefixes found shared with an earlier request, and every

@@ -61,6 +61,8 @@ def test_exact_ledger_properties(case):
     assert outcome.stalls == 0
     assert outcome.idle_zero_steps == 0
     assert outcome.undrained == 0
+    # Fair admission: no deferred load aged out, none waited past twice the longest request lifetime + 50 steps.
+    assert outcome.starved == []
 
 
 def test_pipeline_parallel_cases_load_and_keep_their_reservations() -> None:

@@ -14,7 +14,7 @@ from offload_connector.metadata import TransferJob
 from offload_connector.metrics import OffloadStatsSink
 from offload_connector.scheduler import ledger
 from offload_connector.scheduler.disk_tier import DiskTierPlanner
-from offload_connector.scheduler.fairness import FairQueue
+from offload_connector.scheduler.fairness import DeferredLoad, FairQueue
 from offload_connector.scheduler.remote_tier import Fetch, RemoteTierPlanner
 from offload_connector.scheduler.jobs import JobBook
 from offload_connector.scheduler.lookup import full_prefix_tokens, longest_hit
@@ -57,6 +57,7 @@ class AdmissionControl:
         # (`OffloadScheduler.record_admissions`): in "vllm" reservation mode the plan is computed only for this log.
         self.log: deque[Admission] | None = None
         self._holders_cache: tuple[tuple[int, int, int], int] | None = None
+        self._newer_cache: tuple[tuple[int, int, int, str], bool] | None = None
         # The disk tier (None when off): lookups extend into it, loads read its entries back (scheduler/disk_tier).
         self.disk: DiskTierPlanner | None = None
         # The shared tier (None when off): the same, from a store several engines share (scheduler/remote_tier).
@@ -243,15 +244,20 @@ class AdmissionControl:
 
         `need` is what the request would take through its prompt (computed here, only when it could matter, for a
         request without a load). It may go ahead only if the pool holds it, the older load's blocks, every holder's
-        remaining need and the watermark. Called for every waiting request behind a deferred load on every step, so
-        the holders' total is computed once per step and pool state (a waiting request asked here holds no blocks)."""
+        remaining need and the watermark. Before the older load has waited `fair_hold_after_steps`, that rule applies
+        only while the load waits for requests behind it (`_waits_for_newer`): holding anyone back when it waits
+        for older ones would slow them down and admit it no sooner. Called for every waiting request behind a
+        deferred load on every step, so the pool's totals are computed once per step and pool state (a waiting
+        request asked here holds no blocks)."""
         if self.config.admission_policy != "fair" or self.config.reservation != "exact":
             return False
-        older = self.fair.oldest_ahead_of(request, step)
+        older = self.fair.oldest_ahead_of(request)
         if older is None:
             return False
         kv = self._kv()
         free = kv.pool.get_num_free_blocks()
+        if not self.fair.holds_all(older, step) and not self._waits_for_newer(older, free, step):
+            return False
         # Whatever this request takes through its prompt must leave what the older load's admission requires.
         room = free - ledger.required_free(older.now, older.total, self._holders_remaining(free, step), kv.watermark)
         if room > 0 and need is None:
@@ -261,6 +267,29 @@ class AdmissionControl:
         self.counters.held_for_older += 1
         self.stats.record_deferral("held_for_older")
         return True
+
+    def _waits_for_newer(self, load: DeferredLoad, free: int, step: int) -> bool:
+        """Whether `load` would be admitted if every request behind it in vLLM's queue gave its blocks back: the
+        blocks only they hold (shared prefix blocks stay), and their remaining need through their prompt."""
+        key = (step, free, len(self.jobs.loads), load.request_id)
+        if self._newer_cache is None or self._newer_cache[0] != key:
+            released = reserved = 0
+            for row in self.rows():
+                state = self.requests[row.request_id]
+                if self.fair.order(state.request) > load.order:
+                    reserved += sum(row.remaining)
+            for rid, state in self.requests.items():
+                if not state.finished and self.fair.order(state.request) > load.order:
+                    released += self._held_alone(rid)
+            required = ledger.required_free(load.now, load.total,
+                                            self._holders_remaining(free, step) - reserved, self._kv().watermark)
+            self._newer_cache = (key, free + released >= required)
+        return self._newer_cache[1]
+
+    def _held_alone(self, request_id: str) -> int:
+        """Blocks (all groups) held by this request and no other: what its end gives back to the free pool."""
+        return sum(1 for m in self._kv().managers for blk in m.req_to_blocks.get(request_id, ())
+                   if not blk.is_null and blk.ref_cnt == 1)
 
     def _holders_remaining(self, free: int, step: int) -> int:
         key = (step, free, len(self.jobs.loads))

@@ -102,7 +102,8 @@ class OffloadScheduler:
                       + f", {g.num_layers} layers, {g.block_size}-token blocks of {g.block_bytes} bytes"
                       for g in self.groups),
             config.reservation, config.admission_policy,
-            f" (holds newer requests after {config.fair_hold_after_steps} steps)"
+            f" (a deferred load holds newer requests back while it waits for them, and all of them after "
+            f"{config.fair_hold_after_steps} steps)"
             if config.admission_policy == "fair" else "",
             config.eviction, config.window_checkpoint_tokens, config.min_load_tokens,
             "on" if self.events.enabled else "off",

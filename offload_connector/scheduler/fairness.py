@@ -4,9 +4,15 @@ A deferred load answers `None` to vLLM, which then skips it and goes on down its
 newer requests behind it take every block that frees up and the load waits until it ages out and its prefix is
 recomputed. With `admission_policy: "fair"` the connector remembers every deferred load with the room it needs and,
 when vLLM asks about a request that arrived later (in vLLM's own queue order: arrival, or priority then arrival),
-holds that request back (`None`) unless it fits next to the oldest deferred load's need. A deferred load starts
-holding others back only after `fair_hold_after_steps` steps: a load that waits for long decoders to finish would
-otherwise keep short requests waiting all that time without being admitted any sooner.
+holds that request back (`None`) unless it fits next to the oldest deferred load's need.
+
+Holding every newer request from the first deferred step makes short requests wait for as long as the load waits,
+and a load that waits for long decoders (older than it) to finish is admitted no sooner for it. So a deferred load
+holds newer requests back only while it is waiting for *them*: while the blocks held by requests behind it in the
+queue, given back, would let it in. Then no newer request starts (they finish and give their blocks back, and the
+load goes in); otherwise newer requests run as if nothing waited, and the load is admitted when its older blockers
+finish or, should that moment find newer requests in its way, after those few finish. Once a load has waited
+`fair_hold_after_steps` steps it holds every newer request back regardless (the bound of the old rule).
 
 Why this cannot stall: only requests *behind* a deferred load are held, and the deferred load waits only for blocks
 held by requests that are already running or already admitted (they finish and give them back); a load that could
@@ -49,11 +55,14 @@ class FairQueue:
     def clear(self, request_id: str) -> None:
         self._deferred.pop(request_id, None)
 
-    def oldest_ahead_of(self, request: Any, step: int) -> DeferredLoad | None:
-        """The deferred load that vLLM's queue puts first, if it is ahead of `request` and has waited its grace."""
+    def oldest_ahead_of(self, request: Any) -> DeferredLoad | None:
+        """The deferred load that vLLM's queue puts first, if it is ahead of `request`."""
         if not self._deferred:
             return None
         me = self.order(request)
-        ahead = [d for d in self._deferred.values()
-                 if d.request_id != request.request_id and d.order < me and step - d.since >= self._grace]
+        ahead = [d for d in self._deferred.values() if d.request_id != request.request_id and d.order < me]
         return min(ahead, key=lambda d: d.order) if ahead else None
+
+    def holds_all(self, load: DeferredLoad, step: int) -> bool:
+        """Whether `load` has waited long enough to hold every newer request back, whatever it waits for."""
+        return step - load.since >= self._grace

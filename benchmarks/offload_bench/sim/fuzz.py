@@ -47,11 +47,18 @@ class FuzzOutcome:
     drafts_accepted: int = 0
     deferrals: int = 0
     too_big: int = 0  # hits that could not fit even in an idle pool (recomputed)
+    # Deferred loads that fit an idle pool and were given up (aged out), or admitted later than the bound of
+    # `WAIT_BOUND`: twice the longest any request of the case lived from arrival to finish, plus 50 steps. A load
+    # waits for the requests holding blocks when it was deferred, and for newer ones only while they hold what it
+    # needs; each of those finishes within one lifetime.
+    starved: list[str] = field(default_factory=list)
+    deferred_loads: int = 0
+    longest_deferral: int = 0
 
     @property
     def ok(self) -> bool:
         return not (self.mismatches or self.peak_violations or self.stalls or self.idle_zero_steps
-                    or self.undrained)
+                    or self.undrained or self.starved)
 
 
 MAX_MODEL_LEN = 8192
@@ -60,6 +67,41 @@ SPEC_METHODS = ("ngram", "ngram_gpu", "draft_model", "eagle")
 # Pipeline-parallel sizes, drawn from the case's own seed (not the case stream), so every case drawn before PP was
 # simulated keeps its layout, sessions and spec setting; half the cases now run with 2 or 4 batches in flight.
 PP_SIZES = (1, 1, 2, 4)
+
+
+class _Waits:
+    """Arrival, finish and first deferral of every request, for the bound on how long a deferred load waits."""
+
+    def __init__(self) -> None:
+        self.arrived: dict[str, int] = {}
+        self.finished: dict[str, int] = {}
+        self.deferred: dict[str, int] = {}
+
+    def observe(self, drv: SchedulerDriver) -> None:
+        step = drv.step_no
+        for rid in drv.sched.requests:
+            self.arrived.setdefault(rid, step)
+        for rid in self.arrived:
+            if rid not in self.finished and rid not in drv.sched.requests:
+                self.finished[rid] = step
+        for rid, state in drv.side._requests.items():
+            if state.deferred_since is not None:
+                self.deferred.setdefault(rid, state.deferred_since)
+
+    def judge(self, side: Any, outcome: FuzzOutcome) -> None:
+        lifetimes = [self.finished[r] - a for r, a in self.arrived.items() if r in self.finished]
+        bound = 2 * max(lifetimes, default=0) + 50
+        if side.counters.deferral_timeouts:
+            outcome.starved.append(f"{side.counters.deferral_timeouts} loads aged out")
+        for rid, since in self.deferred.items():
+            outcome.deferred_loads += 1
+            admitted = [a.step for a in side.admissions if a.request_id == rid and a.step >= since]
+            if not admitted:  # its hit shrank or it no longer fit an idle pool: recomputed, not starved
+                continue
+            wait = admitted[0] - since
+            outcome.longest_deferral = max(outcome.longest_deferral, wait)
+            if wait > bound:
+                outcome.starved.append(f"{rid}: deferred at step {since}, admitted {wait} steps later (bound {bound})")
 
 
 def spec_methods_for(groups) -> tuple[str, ...]:
@@ -144,11 +186,13 @@ def run_case(case: FuzzCase, max_steps: int = 20_000) -> FuzzOutcome:
     base = [tokens(case.seed + s, first) for s, (first, _, _, _) in enumerate(case.sessions)]
     drv.add([make_request(f"w{s}", base[s], mt, hash_bs) for s, (_, mt, _, _) in enumerate(case.sessions)])
     idle_run = [0]
+    waits = _Waits()
 
     def step() -> None:
         c = drv.side.counters
         held_before = c.deferrals + c.held_for_older + c.not_started
         rec = drv.step()
+        waits.observe(drv)
         if not rec.idle_while_waiting:
             idle_run[0] = 0
             return
@@ -205,6 +249,7 @@ def run_case(case: FuzzCase, max_steps: int = 20_000) -> FuzzOutcome:
     outcome.loaded_tokens = side.counters.loaded_tokens
     outcome.deferrals = side.counters.deferrals
     outcome.too_big = side.counters.too_big
+    waits.judge(side, outcome)
     outcome.drafts_scheduled = drv.drafts_scheduled
     outcome.drafts_accepted = drv.drafts_accepted
     if not drv.idle_invariant():
