@@ -12,7 +12,7 @@ import pytest
 
 from offload_connector.scheduler.admission import AdmissionControl
 from offload_bench.sim.scenarios import connector_config
-from tests.decoder_scene import PREFIX, build, run
+from offload_bench.sim.starved import PREFIX, build, run
 
 
 def _scene(cpu_slots: int) -> dict:

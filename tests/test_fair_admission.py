@@ -1,52 +1,83 @@
-"""A deferred load is not starved by requests that arrive after it (admission_policy "fair").
+"""A deferred load is not starved by requests that arrive after it (admission_policy "fair"), and holding them back
+does not slow the rest when the load is waiting for something else.
 
-The scene of the issue: a gpt-oss-like layout (sliding window 128 + full attention, blocks of 16, 512-token steps),
-a 600-block pool mostly held by four long decoders, a request returning with a 4,000-token prefix in the CPU tier,
-and a stream of small requests arriving behind it. The load cannot fit until decoders finish; with "greedy"
-admission every block that frees up goes to the small requests behind it and the load ages out (recomputed), with
-"fair" the small requests wait until the load fits and it is loaded whole. vLLM's real scheduler, tag-checked copies.
+The starved-load scene (`offload_bench.sim.starved`): a gpt-oss-like layout (sliding window 128 + full attention,
+blocks of 16, 512-token steps), a 600-block pool, four long decoders, a request ("ret") returning with a 4,000-token
+prefix in the CPU tier, small requests streaming in; vLLM's real scheduler, tag-checked copies. Two variants:
+
+* *the stream is what the load waits for*: decoders of 1,000-token prompts, a 300-token request every 2 steps from
+  the start. vLLM's own reservation lets "ret" block its queue head and starts it within steps; greedy admission
+  lets every newer request take the blocks that free up and the load waits until the decoders finish;
+* *the decoders are what it waits for*: decoders of 1,500-token prompts holding most of the pool, a 100-token request
+  every 3 steps. Holding the stream back then only delays the stream.
 """
 
 import pytest
 
 from offload_bench.sim.scenarios import connector_config
-from tests.decoder_scene import run
+from offload_bench.sim.starved import Scene, run
+
+STREAM_BLOCKS = Scene(decoder_prompt=1000, decode_tokens=1500, stream_tokens=300, stream_every=2, stream_count=1000,
+                      stream_first=True, max_steps=8000)
+DECODERS_BLOCK = Scene(decoder_prompt=1500, decode_tokens=600, stream_tokens=100, stream_every=3, stream_count=1000,
+                       stream_first=True, max_steps=8000)
+CONFIGS = {
+    "vllm": ("vllm", {}),
+    "greedy": ("exact", {"admission_policy": "greedy"}),
+    "fair": ("exact", {}),  # the default: hold newer requests only while the load waits for them
+    "hold-all": ("exact", {"fair_hold_after_steps": 0}),  # hold every newer request from the first deferred step
+    "greedy-200": ("exact", {"admission_policy": "greedy", "max_deferral_steps": 200}),
+}
 
 
-def _scene(policy: str, **extra) -> tuple:
-    drv, first_token = run(connector_config("exact", 1 << 32, admission_policy=policy, **extra))
+def _outcome(name: str, scene: Scene):
+    reservation, extra = CONFIGS[name]
+    drv, out = run(connector_config(reservation, 1 << 32, **extra), scene)
     c = drv.side.counters
-    ret_loaded = any(a.request_id == "ret" and a.free_after is not None for a in drv.side.admissions)
-    return drv, {"ret_loaded": ret_loaded, "aged_out": c.deferral_timeouts, "held": c.held_for_older,
-                 "first_token_step": first_token, "drained": drv.idle_invariant()}
+    return {"first": out.first_token_step, "loaded": out.ret_loaded, "aged_out": c.deferral_timeouts,
+            "held": c.held_for_older, "p95": out.small_ttft_p95, "drained": out.drained}
 
 
 @pytest.fixture(scope="module")
-def outcomes():
-    return {
-        # The previous default: greedy admission, a load given up after 200 deferred steps.
-        "greedy-200": _scene("greedy", max_deferral_steps=200)[1],
-        "greedy": _scene("greedy")[1],
-        # Held from the first deferred step, so the stream of small requests cannot take a block the load needs.
-        "fair": _scene("fair", fair_hold_after_steps=0)[1],
-        "fair-default": _scene("fair")[1],
-    }
+def stream_blocks():
+    return {name: _outcome(name, STREAM_BLOCKS) for name in ("vllm", "greedy", "fair", "greedy-200")}
 
 
-def test_greedy_admission_with_aging_gives_the_load_up(outcomes):
-    g = outcomes["greedy-200"]
-    assert g["drained"]
-    assert g["aged_out"] == 1 and not g["ret_loaded"]  # the small requests took every freed block until it gave up
+@pytest.fixture(scope="module")
+def decoders_block():
+    return {name: _outcome(name, DECODERS_BLOCK) for name in ("vllm", "fair", "hold-all")}
 
 
-def test_fair_admission_loads_it_and_serves_it_first(outcomes):
-    f = outcomes["fair"]
-    assert f["drained"]
-    assert f["aged_out"] == 0 and f["ret_loaded"]
-    assert f["held"] > 0  # newer requests were held back for it
-    assert f["first_token_step"] < outcomes["greedy"]["first_token_step"]
-    assert f["first_token_step"] < outcomes["greedy-200"]["first_token_step"]
-    # With the default grace (1,000 steps before holding others back) it is loaded too, and no later than greedy.
-    d = outcomes["fair-default"]
-    assert d["ret_loaded"] and d["aged_out"] == 0
-    assert d["first_token_step"] <= outcomes["greedy"]["first_token_step"]
+def test_greedy_admission_starves_the_load_behind_the_stream(stream_blocks):
+    g, v = stream_blocks["greedy"], stream_blocks["vllm"]
+    assert g["drained"] and v["drained"]
+    assert v["first"] < 50  # vLLM's reservation starts it within steps
+    assert g["first"] > 1000  # greedy: behind every newer request until the decoders finish
+    g200 = stream_blocks["greedy-200"]
+    assert g200["aged_out"] >= 1 and not g200["loaded"]  # with aging it is given up (recomputed) instead
+
+
+def test_fair_admission_loads_it_within_twice_vllms_steps(stream_blocks):
+    f, v = stream_blocks["fair"], stream_blocks["vllm"]
+    assert f["drained"] and f["loaded"] and f["aged_out"] == 0
+    assert f["held"] > 0  # the stream was held back for it
+    assert f["first"] <= 2 * v["first"] + 20
+    assert f["p95"] <= v["p95"]  # and the stream is served no worse than under vLLM's reservation
+
+
+def test_without_the_stream_the_load_goes_at_once():
+    plain = Scene(decoder_prompt=1000, decode_tokens=1500, stream_tokens=0, max_steps=8000)
+    f, v = _outcome("fair", plain), _outcome("vllm", plain)
+    assert f["drained"] and f["loaded"] and f["held"] == 0
+    assert f["first"] <= 2 * v["first"] + 20
+
+
+def test_fair_admission_does_not_hold_the_stream_while_the_load_waits_for_older_decoders(decoders_block):
+    f, h, v = decoders_block["fair"], decoders_block["hold-all"], decoders_block["vllm"]
+    assert f["drained"] and h["drained"] and f["loaded"] and h["loaded"]
+    # The load waits for the decoders either way and is admitted no later for holding everyone back...
+    assert f["first"] <= h["first"]
+    assert f["first"] <= 2 * v["first"] + 20
+    # ...while holding everyone makes the stream wait as long as the load does.
+    assert f["held"] < h["held"]
+    assert f["p95"] * 3 < h["p95"]
