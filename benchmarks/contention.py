@@ -6,8 +6,10 @@ through the CPU tier, the disk tier, the shared tier over Redis and Mooncake, TP
 environment, each run with `--burners` busy processes beside it (pure CPU spinners, memory-bandwidth copiers, or
 both), and reports per test how many runs passed, failed or errored, and why.
 
-Every run keeps its JUnit XML and, through OC_ENGINE_LOG_DIR, every engine's script, result and full log, so a
-divergence can be examined afterwards (`DIR/run-007/engines/...`). The summary is `DIR/summary.json`.
+Every run keeps its JUnit XML, `run.json` (commit, seconds, load average) and pytest's log; a run with a failure also
+keeps, through OC_ENGINE_LOG_DIR, every engine's script, result and full log, so a divergence can be examined
+afterwards (`DIR/run-007/engines/...`). The summary is `DIR/summary.json`. The project's own runs are gathered in
+`docs/results/contention/` (`--out docs/results/contention --resume`).
 
     bash scripts/contention --runs 20 --burners 3 --out results/contention
     bash scripts/contention --runs 5 --tests tests/test_shared_engine.py
@@ -25,6 +27,7 @@ import argparse
 import json
 import multiprocessing as mp
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -131,6 +134,10 @@ def run_once(index: int, tests: list[str], out: Path, python: str, timeout_s: fl
               "timed_out": rc == -9, "commit": _commit()}
     # Beside the JUnit XML, so that runs gathered over several sittings (and machines) keep what they ran on.
     (run_dir / "run.json").write_text(json.dumps(record))
+    if rc == 0 and cases and all(c["outcome"] in ("passed", "skipped") for c in cases):
+        # A clean run keeps its JUnit XML, run.json and pytest's log, small enough to commit with the results; the
+        # engines' scripts and logs are for examining a failure.
+        shutil.rmtree(run_dir / "engines", ignore_errors=True)
     return {**record, "cases": cases}
 
 

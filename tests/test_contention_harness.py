@@ -71,6 +71,12 @@ def test_resume_counts_the_runs_already_there(tmp_path):
     assert summary["done"] == 2
     assert summary["per_test"]["tests/test_shared_auth.py::test_derive_mac_key"]["passed"] == 2
     assert sorted(p.name for p in out.glob("run-*")) == ["run-001", "run-002"]
+    # A clean run keeps what the summary needs (and its commit), not the engines' logs; the resumed summary reads
+    # the earlier run's record back.
+    record = json.loads((out / "run-001" / "run.json").read_text())
+    assert record["rc"] == 0 and record["seconds"] > 0
+    assert not (out / "run-001" / "engines").exists()
+    assert [d["seconds"] for d in summary["run_details"]][0] == record["seconds"]
     other = subprocess.run([*base[:-1], "tests/test_shared_auth.py", "--runs", "3", "--resume"], cwd=ROOT,
                            capture_output=True, text=True, timeout=60)
     assert other.returncode == 2 and "different --tests" in other.stderr, other.stderr
