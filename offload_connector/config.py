@@ -13,14 +13,15 @@ from fractions import Fraction
 from typing import Any, Mapping
 
 from offload_connector.backends import BACKEND_CHOICES
+from offload_connector.policies import EVICTION_POLICIES as _POLICY_REGISTRY, check_policy_spec
 from offload_connector.disk.format import FILE_NAME as DISK_FILE_NAME
 
 RESERVATION_MODES = ("exact", "vllm")
 ADMISSION_POLICIES = ("fair", "greedy")
 LOAD_COMPLETIONS = ("ordered", "landed")
-EVICTION_POLICIES = ("lru", "slru", "arc")  # or "module.path:ClassName" (scheduler/eviction/)
 # Worker copy backends (offload_connector.kernels): "auto" calibrates on CUDA and uses the torch reference on CPU.
 TRANSFER_BACKENDS = BACKEND_CHOICES
+EVICTION_POLICIES = tuple(_POLICY_REGISTRY)  # or "module.path:ClassName" (offload_connector/policies.py)
 
 
 class ConfigError(ValueError):
@@ -142,7 +143,6 @@ class OffloadConfig:
             values["window_checkpoint_tokens"] = 0 if value == 0 and not isinstance(value, bool) else \
                 _positive_int("window_checkpoint_tokens", value)
         if "eviction" in extra:
-            from offload_connector.scheduler.eviction import check_policy_spec  # imports a policy named by path
             try:
                 values["eviction"] = check_policy_spec(extra.pop("eviction"))
             except ValueError as exc:

@@ -6,7 +6,7 @@ order. `TierIndex` calls a policy at these points, and only there:
 * `stored(key)`: a new entry was created for a store (pinned, not readable yet, not evictable).
 * `unshared(key)`: right after `stored(key)`, when the request storing it shared no prefix with anything cached (GPU
   prefix cache or any tier) when it arrived: one-shot traffic, or the first turn of a conversation. Optional (not in
-  `POLICY_METHODS`); `slru` weighs such entries by how often their requests come back.
+  `offload_connector.policies.POLICY_METHODS`); `slru` weighs such entries by how often their requests come back.
 * `release(key)`: the entry became evictable: readable and no job pins it (its store landed, or its last load did).
   A prefix is released tail first, so its head is the most recent.
 * `pin(key)`: the entry stopped being evictable (a load pins it).
@@ -35,8 +35,6 @@ from typing import Hashable
 Key = tuple[int, Hashable]  # (group index, vLLM block hash), as in tier_index
 
 # Called by TierIndex; a class named by module path must have every one of them.
-POLICY_METHODS = ("stored", "release", "pin", "loaded", "touch", "reoffered", "removed", "victim", "clear",
-                  "is_evictable", "evictable_keys")
 
 
 class EvictionPolicy:
