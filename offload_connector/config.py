@@ -48,6 +48,10 @@ class OffloadConfig:
     # full block of every prompt, every boundary after it, prefixes found shared with an earlier request, and every
     # this-many tokens inside a prompt (rounded down to a multiple of every group's block size; 0: no checkpoints).
     window_checkpoint_tokens: int = 8192
+    # Every other window too, as spare entries: they take only CPU-tier room nobody else uses (a free slot or another
+    # spare entry's) and are evicted before anything else, so a tier with room resumes a prefix at any block boundary
+    # while a full one holds what it held without them (scheduler/tier_index.py).
+    spare_windows: bool = True
     # Which idle CPU-tier entry a store evicts (scheduler/eviction/): "lru"; "slru" (segmented LRU: entries that
     # served a load go after every entry that never did, at most 30 % of the slots kept that way); "arc" (Adaptive
     # Replacement Cache: recency list, list of reused entries, ghost lists moving the target between them); or a
@@ -170,6 +174,8 @@ class OffloadConfig:
                 values[key] = _ranks(key, extra.pop(key))
         if "debug_corrupt_load" in extra:
             values["debug_corrupt_load"] = _bool("debug_corrupt_load", extra.pop("debug_corrupt_load"))
+        if "spare_windows" in extra:
+            values["spare_windows"] = _bool("spare_windows", extra.pop("spare_windows"))
         if "verify_loads" in extra:
             values["verify_loads"] = _bool("verify_loads", extra.pop("verify_loads"))
         if "debug_copy_delay_s" in extra:

@@ -193,6 +193,8 @@ CASES: list[tuple[str, Any, str]] = [
     ("replay --offload-config <nested 50,000 deep>", _sub("replay", "--offload-config", DEEP_JSON), "nested"),
     ("replay --offload-config window_checkpoint_tokens NaN",
      _sub("replay", "--offload-config", '{"window_checkpoint_tokens": NaN}'), "window_checkpoint_tokens"),
+    ("replay --offload-config spare_windows \"yes\"",
+     _sub("replay", "--offload-config", '{"spare_windows": "yes"}'), "spare_windows"),
     ("replay --offload-config max_deferral_steps 1e300",
      _sub("replay", "--offload-config", '{"max_deferral_steps": 1e300}'), "at most"),
     ("replay --offload-config debug_corrupt_load",

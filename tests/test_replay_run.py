@@ -144,19 +144,29 @@ def test_cli_offload_config_is_checked_before_the_run(text, needle, capsys: pyte
     assert needle in err and "Traceback" not in err
 
 
-def test_ours_resumes_a_prefix_shared_up_to_a_point_inside_an_earlier_prompt() -> None:
-    """A 12,288-token prompt, filler, then two requests sharing its first 9,216 tokens (a point inside it). The
-    first resumes at the 8,192-token checkpoint; it computes through 9,216 and stores the window there (a junction),
-    so the second resumes at 9,216 (from the GPU prefix cache, which keeps the window at the junction too)."""
+def _mid_prompt() -> Workload:
     first = list(range(24))
     lines = [_line(0, 12288, 4, first)]
     lines += [_line(1000 + 200 * i, 8000, 2, list(range(1000 + 16 * i, 1016 + 16 * i))) for i in range(10)]
     lines += [_line(9000, 10240, 4, first[:18] + [500, 501]), _line(12000, 10240, 4, first[:18] + [600, 601])]
-    w = Workload("mid-prompt", tuple(parse_lines(lines, "mid")), "")
-    out = run_replay(w, _cfg(("offload", "none")))
+    return Workload("mid-prompt", tuple(parse_lines(lines, "mid")), "")
+
+
+def test_ours_resumes_a_prefix_shared_up_to_a_point_inside_an_earlier_prompt() -> None:
+    """A 12,288-token prompt, filler, then two requests sharing its first 9,216 tokens (a point inside it). Without
+    spare windows the first resumes at the 8,192-token checkpoint; it computes through 9,216 and stores the window
+    there (a junction), so the second resumes at 9,216 (from the GPU prefix cache, which keeps the window at the
+    junction too). With them (the default) the same under pressure; with room both resume at 9,216 from the tier."""
+    out = run_replay(_mid_prompt(), _cfg(("offload", "none"), offload_extra=(("spare_windows", False),)))
     res = {r.result.connector: r.result for r in out.runs}
     assert not res["offload"].stalled and res["offload"].requests_completed == 13
     # vLLM takes the junction as the first one's `shared_prefix_boundary` and caches the window at 9,216 in the GPU
     # prefix cache as well: the second then resumes there from the GPU, loading nothing from the CPU tier.
     assert res["offload"].tokens_loaded_from_cpu == 8192
+    # With them: the 40 GiB tier is under pressure (the filler alone is 80k tokens at about 880 KiB each), so the
+    # spare windows of the first prompt are evicted before anything else and nothing changes; in a tier with room for
+    # the whole trace both resume at 9,216 from the tier (no junction forms, so the GPU keeps no window there).
+    for cpu_bytes, loaded in ((40 * 2**30, 8192), (160 * 2**30, 2 * 9216)):
+        spare = run_replay(_mid_prompt(), _cfg(("offload",), cpu_bytes=cpu_bytes)).runs[0].result
+        assert not spare.stalled and spare.tokens_loaded_from_cpu == loaded, cpu_bytes
     assert res["offload"].tokens_recomputed < res["none"].tokens_recomputed

@@ -31,6 +31,9 @@ def test_store_points():
 
 
 def _driver(**extra):
+    # The rules for where windows are stored are what these tests check: spare windows (every other boundary, in
+    # room nobody uses) off unless a test turns them on.
+    extra.setdefault("spare_windows", False)
     sched, hbs = build_custom(GROUPS, num_blocks=400, max_num_batched_tokens=128, max_model_len=4096,
                               kv_transfer_config=connector_config("exact", 1 << 30, **extra))
     return SchedulerDriver(sched, TagCopier(1)), hbs
@@ -90,3 +93,15 @@ def test_a_prompt_sent_again_resumes_one_block_before_its_end():
     a = tokens(4, 640)
     _serve(drv, "a", a, hbs)
     assert _serve(drv, "a-again", list(a), hbs) == 624
+
+
+def test_with_spare_windows_a_roomy_tier_resumes_at_the_last_boundary():
+    """Spare windows (the default) fill room no regular entry uses: with the tier far from full, a prefix shared up
+    to any point resumes at the last block boundary below it, whatever the checkpoints; nothing was evicted."""
+    for spacing in (0, 8192):
+        drv, hbs = _driver(window_checkpoint_tokens=spacing, spare_windows=True)
+        a = tokens(1, 1000)
+        _serve(drv, "a", a, hbs)
+        assert _serve(drv, "b", a[:700] + tokens(2, 300), hbs) == 688
+        tier = drv.side.tier
+        assert tier.evictions == 0 and tier.stats().spare_entries > 0

@@ -221,7 +221,8 @@ def test_a_layout_without_full_attention_still_tells_unshared_requests():
     """Only sliding-window groups: the full-attention prefix means nothing there, so the hit and vLLM's prefix cache
     decide (a first request is unshared, one resuming from its prefix is not)."""
     sched, hbs = build_custom((("sliding", 16, 128),), num_blocks=400, max_num_batched_tokens=256,
-                              max_model_len=4096, kv_transfer_config=connector_config("exact", 1 << 30))
+                              max_model_len=4096,
+                              kv_transfer_config=connector_config("exact", 1 << 30, spare_windows=False))
     drv = SchedulerDriver(sched, TagCopier(1))
     first = tokens(3, 600)
     drv.add([make_request("a", first, 2, hbs)])

@@ -18,7 +18,8 @@ def test_gemma4_16k_conversation_host_bytes(spacing, share):
     the 1,024-token windows at 8,192 and at the prompt's end, and the answer's blocks (4,096: 0.35)."""
     vc = build_vllm_config("gemma-4-31b", max_model_len=32768, max_num_batched_tokens=1024, num_gpu_blocks=2188,
                            kv_transfer_config=connector_config("exact", 64 * 2**30,
-                                                               window_checkpoint_tokens=spacing))
+                                                               window_checkpoint_tokens=spacing,
+                                                               spare_windows=False))
     sim = build_sim_model("gemma-4-31b", vllm_config=vc, num_blocks=2188)
     drv = SchedulerDriver(build_scheduler(sim, vc), TagCopier(1))
     # A 16,384-token conversation: a 16,000-token prompt and 384 generated tokens.
@@ -47,7 +48,7 @@ def test_decode_never_re_stores_window_blocks_the_tier_evicted():
     2,500 blocks per step at 256 running requests (benchmarks/sched_overhead.py)."""
     slot_bytes = 2_621_440  # one Gemma-4-31B block id across all layers of its largest group
     vc = build_vllm_config("gemma-4-31b", max_model_len=32768, max_num_batched_tokens=1024, num_gpu_blocks=2188,
-                           kv_transfer_config=connector_config("exact", 400 * slot_bytes))
+                           kv_transfer_config=connector_config("exact", 400 * slot_bytes, spare_windows=False))
     sim = build_sim_model("gemma-4-31b", vllm_config=vc, num_blocks=2188)
     drv = SchedulerDriver(build_scheduler(sim, vc), TagCopier(1))
     side = drv.side
@@ -74,3 +75,28 @@ def test_decode_never_re_stores_window_blocks_the_tier_evicted():
             first_window = len(g.restore_range(prompt_boundary))
             added = (last_boundary - prompt_boundary) // g.block_size
             assert per_group[g.index] <= first_window + added, (g.index, per_group)
+
+
+@pytest.mark.parametrize("slots", [400, 4000])
+def test_spare_windows_leave_the_regular_entries_as_they_were(slots):
+    """Spare windows take only room no regular entry uses: under pressure (400 slots, two long Gemma 4 31B requests)
+    and with room (4,000), the tier ends with exactly the regular entries it holds without them; with room it holds
+    every other window too, and under pressure the spare ones were the ones evicted."""
+    def run(spare: bool):
+        vc = build_vllm_config("gemma-4-31b", max_model_len=32768, max_num_batched_tokens=1024, num_gpu_blocks=2188,
+                               kv_transfer_config=connector_config("exact", slots * 2_621_440, spare_windows=spare))
+        sim = build_sim_model("gemma-4-31b", vllm_config=vc, num_blocks=2188)
+        drv = SchedulerDriver(build_scheduler(sim, vc), TagCopier(1))
+        drv.add([make_request("a", tokens(9, 3_000), 200, sim.hash_block_size),
+                 make_request("b", tokens(10, 6_000), 50, sim.hash_block_size)])
+        assert not drv.run().stalled and drv.idle_invariant()
+        tier = drv.side.tier
+        return {k for k in tier.keys() if not tier.is_spare(k)}, tier.stats()
+
+    without, _ = run(False)
+    regular, stats = run(True)
+    assert regular == without
+    if slots == 4000:
+        assert stats.spare_entries > 1000 and stats.evictions == 0
+    else:
+        assert stats.spare_evictions > 0 and stats.used_slots == slots

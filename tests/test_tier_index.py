@@ -96,3 +96,78 @@ def test_on_removed_reports_evictions_and_dropped_readable_entries():
     tier.begin_store(failed)
     tier.finish_store(failed, ok=False)  # never readable: not announced
     assert removed == [a[1], a[0]]
+
+
+# Spare entries: windows stored in room nobody else uses (scheduler/stores.py, `spare_windows`).
+
+@pytest.mark.parametrize("policy", ["lru", "slru", "arc"])
+def test_spare_entries_take_only_free_or_spare_room(policy):
+    tier = TierIndex(4, [10], policy=policy)
+    regular = keys(3)
+    tier.begin_store(regular)
+    tier.finish_store(regular)
+    spare = keys(3, tag="s")
+    got = tier.begin_store(spare, spare=set(spare))
+    # One free slot: the first spare key takes it; the others would need a regular entry's slot, so they are skipped.
+    assert [k for k, _ in got] == spare[:1] and tier.spare_skips == 2
+    assert all(tier.is_ready(k) for k in regular) and tier.evictions == 0
+    tier.finish_store(spare[:1])
+    assert tier.is_spare(spare[0]) and not tier.policy.is_evictable(spare[0])  # the policy never sees it
+    # Another spare offer evicts the idle spare entry, never a regular one.
+    got = tier.begin_store(spare[1:2], spare={spare[1]})
+    assert [k for k, _ in got] == spare[1:2] and not tier.has(spare[0]) and tier.spare_evictions == 1
+    assert all(tier.is_ready(k) for k in regular)
+
+
+@pytest.mark.parametrize("policy", ["lru", "slru", "arc"])
+def test_a_regular_store_evicts_idle_spare_entries_first(policy):
+    tier = TierIndex(4, [10], policy=policy)
+    spare = keys(2, tag="s")
+    tier.begin_store(spare, spare=set(spare))
+    tier.finish_store(spare)
+    regular = keys(2)
+    tier.begin_store(regular)
+    tier.finish_store(regular)  # the tier is full: 2 regular, 2 spare
+    assert tier.evictable_keys()[:2] == spare[::-1]  # spare ones go first, a prefix from its tail
+    more = keys(2, tag="b")
+    tier.begin_store(more)
+    assert tier.spare_evictions == 2 and not any(tier.has(k) for k in spare)
+    assert all(tier.is_ready(k) for k in regular)
+
+
+@pytest.mark.parametrize("policy", ["lru", "slru", "arc"])
+def test_a_spare_entry_that_serves_a_load_or_is_offered_by_a_regular_store_becomes_regular(policy):
+    tier = TierIndex(8, [10], policy=policy)
+    spare = keys(3, tag="s")
+    tier.begin_store(spare, spare=set(spare))
+    tier.finish_store(spare)
+    # Served a load: regular from then on, and the policy knows it (evictable once unpinned).
+    tier.pin(spare[:1])
+    assert not tier.is_spare(spare[0])
+    tier.unpin(spare[:1])
+    assert tier.policy.is_evictable(spare[0])
+    # A regular store offering it again promotes it without a new slot (no copy) ...
+    assert tier.begin_store(spare[1:2]) == []
+    assert not tier.is_spare(spare[1]) and tier.policy.is_evictable(spare[1])
+    # ... and both are handed to the second tiers now; a write-through pin (served=False) promotes nothing.
+    assert tier.take_promoted() == spare[:2] and tier.take_promoted() == []
+    tier.pin(spare[2:], served=False)
+    assert tier.is_spare(spare[2]) and not tier.is_evictable(spare[2])
+    tier.unpin(spare[2:])
+    assert tier.is_evictable(spare[2]) and not tier.policy.is_evictable(spare[2])
+    # A spare offer of a regular entry says nothing to the policy.
+    before = tier.policy.evictable_keys()
+    assert tier.begin_store(spare[:1], spare={spare[0]}) == []
+    assert tier.policy.evictable_keys() == before and not tier.is_spare(spare[0])
+
+
+def test_spare_entries_are_cleared_and_dropped_like_the_others():
+    tier = TierIndex(4, [10])
+    spare = keys(2, tag="s")
+    tier.begin_store(spare, spare=set(spare))
+    tier.finish_store(spare[:1])
+    tier.finish_store(spare[1:], ok=False)  # a failed store frees its slot
+    assert not tier.has(spare[1]) and tier.stats().used_slots == 1
+    tier.clear()
+    assert len(tier) == 0 and tier.evictable_keys() == []
+    assert len(tier.begin_store(keys(4))) == 4

@@ -413,6 +413,7 @@ class AdmissionControl:
         state.full_stored = [hit // g.block_size if not g.recycling else 0 for g in groups]
         state.window_scanned = hit
         state.window_next = [hit // g.block_size for g in groups]
+        state.spare_next = {}
         self.counters.loads_admitted += 1
         self.counters.loaded_tokens += num_external_tokens
 

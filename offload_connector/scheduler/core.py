@@ -273,6 +273,7 @@ class OffloadScheduler:
     def _restart_stores(self, state: ReqState) -> None:
         state.full_stored = [0] * len(self.groups)
         state.window_next = [0] * len(self.groups)
+        state.spare_next = {}
         state.window_scanned = 0
 
     def _finish_store(self, job_id: int, ok: bool) -> None:

@@ -185,8 +185,11 @@ class JobBook:
             self.tier.finish_store(store.keys, ok=ok)
             if ok:
                 self.events.stored(events)
-                for callback in self.on_stored:
-                    callback(store.keys, job_id)
+                if self.on_stored:
+                    # Spare entries take only spare room in the CPU tier; the second tiers get them if promoted.
+                    regular = [k for k in store.keys if not self.tier.is_spare(k)]
+                    for callback in self.on_stored:
+                        callback(regular, job_id)
         return store.request_id
 
     def retire_in_flight(self) -> None:

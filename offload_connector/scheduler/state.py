@@ -69,6 +69,8 @@ class ReqState:
     window_scanned: int = 0  # boundaries up to here were considered for window stores
     junctions: set[int] = field(default_factory=set)  # shared-prefix ends found at lookup without a window
     window_next: list[int] = field(default_factory=list)  # per group: window blocks below this were handed over
+    # per group: window blocks below this were handed over as spare entries (`spare_windows`); absent: 0
+    spare_next: dict[int, int] = field(default_factory=dict)
     deferred_since: int | None = None
     no_load: bool = False  # gave up loading (aged deferral); recompute instead
     pending_stores: set[int] = field(default_factory=set)

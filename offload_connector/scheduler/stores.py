@@ -11,7 +11,7 @@ from offload_connector.scheduler.events import TierEvents
 from offload_connector.scheduler.jobs import JobBook
 from offload_connector.scheduler.state import KVBinding, Layout, ReqState, SchedulerCounters
 from offload_connector.scheduler.tier_index import TierIndex
-from offload_connector.scheduler.windows import store_points
+from offload_connector.scheduler.windows import spare_points, store_points
 
 
 class StorePlanner:
@@ -27,6 +27,15 @@ class StorePlanner:
 
     def bind(self, kv: KVBinding) -> None:
         self.kv = kv
+
+    def write_through_promoted(self) -> None:
+        """Readable spare entries that became regular (a load used them, a store point covers them) go to the second
+        tiers now, as a landed store's entries do."""
+        promoted = self.tier.take_promoted()
+        if promoted and self.jobs.on_stored:
+            job_id = self.jobs.new_job_id()
+            for callback in self.jobs.on_stored:
+                callback(promoted, job_id)
 
     def plan(self, state: ReqState, computed: int, block_ids: list[list[int]] | None) -> None:
         """Hand newly computed blocks to the tier.
@@ -72,10 +81,19 @@ class StorePlanner:
             state.full_stored[g.index] = max(state.full_stored[g.index], end)
 
         upto = done - done % layout.alignment
-        points = store_points(state.window_scanned, upto, request.num_prompt_tokens, layout.alignment,
-                              self.config.window_checkpoint_tokens, state.junctions) if layout.has_recycling else []
+        points: list[int] = []
+        spare_pts: list[int] = []
+        if layout.has_recycling:
+            points = store_points(state.window_scanned, upto, request.num_prompt_tokens, layout.alignment,
+                                  self.config.window_checkpoint_tokens, state.junctions)
+            if self.config.spare_windows:
+                spare_pts = spare_points(state.window_scanned, upto, layout.alignment, points)
         state.window_scanned = max(state.window_scanned, upto)
-        for point in points:
+        regular = set(points)
+        spare_keys: set[Hashable] = set()
+        offered: set[Hashable] = set()
+        for point in sorted((*points, *spare_pts)):
+            is_spare = point not in regular
             window: list[tuple[int, int, Hashable, int]] = []
             ends: list[tuple[int, int]] = []
             for g in layout.groups:
@@ -83,7 +101,12 @@ class StorePlanner:
                     continue
                 ids = ids_for(g)
                 rng = g.restore_range(point)
-                new = range(max(rng.start, state.window_next[g.index]), rng.stop)
+                # A point a rule asked for hands over what no earlier such point did, exactly as without spare
+                # windows; the blocks of it that went out as spare are promoted by `begin_store`, not copied again.
+                handed = state.window_next[g.index]
+                if is_spare:
+                    handed = max(handed, state.spare_next.get(g.index, 0))
+                new = range(max(rng.start, handed), rng.stop)
                 if ids is None or len(ids) < rng.stop or any(ids[i] == 0 for i in new):
                     window = []  # part of this window already left the GPU: the point is not restorable
                     break
@@ -91,17 +114,27 @@ class StorePlanner:
                 ends.append((g.index, rng.stop))
             else:
                 for gi, stop in ends:
-                    state.window_next[gi] = stop
+                    if not is_spare:
+                        state.window_next[gi] = stop
+                    state.spare_next[gi] = max(state.spare_next.get(gi, 0), stop)
             for gi, bid, key, end_token in window:
+                if key in offered:  # already in this step's store, as spare: a regular point makes it regular
+                    if not is_spare:
+                        spare_keys.discard(key)
+                    continue
+                offered.add(key)
                 groups_.append(gi)
                 gpu.append(bid)
                 keylist.append(key)
                 positions.append(end_token)
+                if is_spare:
+                    spare_keys.add(key)
 
         if not keylist:
             return
         groups_, gpu, keylist, ends = in_prefix_order(positions, groups_, gpu, keylist, positions)
-        reserved = dict(self.tier.begin_store(keylist, unshared=bool(state.unshared)))
+        reserved = dict(self.tier.begin_store(keylist, unshared=bool(state.unshared), spare=spare_keys))
+        self.write_through_promoted()
         if not reserved:
             return
         sel = [i for i, k in enumerate(keylist) if k in reserved]

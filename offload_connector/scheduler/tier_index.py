@@ -11,6 +11,13 @@ is the cache policy's choice (`scheduler/eviction/`: "lru", "slru", "arc" or a c
 index tells it when an entry is stored, becomes evictable, is pinned, serves a load, is touched, is offered again by
 a store or is dropped, and refuses a victim that is not a readable, unpinned entry.
 
+*Spare* entries are the ones a store marks so (windows of sliding-window and chunked-local groups at points no rule
+asked for, `scheduler/stores.py`): they take only room nobody else uses. A spare entry gets a free slot or the slot of
+another spare entry, never a regular entry's; when a regular store needs a slot, idle spare entries go first, oldest
+first, before the policy is asked; the policy never sees them. A spare entry that serves a load, or that a regular
+store offers again (`promote`), becomes a regular entry and the policy hears of it as newly stored. So a roomy tier
+holds every window, as vLLM's connector stores every block, and a full one holds exactly what it held without them.
+
 `clear()` (a cache reset) forgets every entry at once. An entry a copy still uses (pinned by an in-flight load, or
 being written by an in-flight store) leaves the index but keeps its slot, "retired": no lookup finds it and no store
 gets the slot until every job that used it calls `release_retired` with its slots. Until then a key can be stored
@@ -19,9 +26,10 @@ again in a fresh slot without touching the retired one.
 
 from __future__ import annotations
 
+from collections import OrderedDict
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Callable, Hashable, Iterable, Mapping, Sequence
+from typing import Callable, Collection, Hashable, Iterable, Mapping, Sequence
 
 from offload_connector.scheduler.eviction import EvictionPolicy, make_policy
 
@@ -34,6 +42,7 @@ class _Entry:
     nbytes: int
     ready: bool = False
     pins: int = 1  # created pinned by the store that fills it
+    spare: bool = False
 
 
 @dataclass(frozen=True)
@@ -45,6 +54,9 @@ class TierStats:
     pinned_entries: int
     evictions: int
     store_rejections: int
+    spare_entries: int = 0
+    spare_evictions: int = 0
+    spare_skips: int = 0  # spare blocks not stored: no free or spare slot
     retired_slots: int = 0  # slots of entries a reset removed while a copy still used them
 
 
@@ -82,6 +94,11 @@ class TierIndex:
         self._used_bytes = 0
         self.evictions = 0
         self.store_rejections = 0
+        # Idle (readable, unpinned) spare entries, oldest first: the first victims, unknown to the policy.
+        self._spare: OrderedDict[Key, None] = OrderedDict()
+        self.spare_evictions = 0
+        self.spare_skips = 0
+        self._promoted_ready: list[Key] = []  # readable spare entries promoted since `take_promoted`
         # Slots of entries removed by `clear()` while in-flight jobs used them -> jobs still to release each slot.
         self._retired: dict[int, int] = {}
         # Called with each key whose readable entry leaves the tier (eviction, drop, clear): KV cache events.
@@ -119,6 +136,9 @@ class TierIndex:
             pinned_entries=sum(1 for e in self._entries.values() if e.pins > 0),
             evictions=self.evictions,
             store_rejections=self.store_rejections,
+            spare_entries=sum(1 for e in self._entries.values() if e.spare),
+            spare_evictions=self.spare_evictions,
+            spare_skips=self.spare_skips,
             retired_slots=len(self._retired),
         )
 
@@ -131,50 +151,93 @@ class TierIndex:
                         self._used_bytes)
 
     def is_evictable(self, key: Key) -> bool:
-        return self.policy.is_evictable(key)
+        return key in self._spare or self.policy.is_evictable(key)
+
+    def is_spare(self, key: Key) -> bool:
+        entry = self._entries.get(key)
+        return entry is not None and entry.spare
 
     def evictable_keys(self) -> list[Key]:
-        """The evictable entries in the policy's eviction order (first victim first)."""
-        return list(self.policy.evictable_keys())
+        """The evictable entries in eviction order (first victim first): idle spare entries, then the policy's."""
+        return [*self._spare, *self.policy.evictable_keys()]
 
     def pin_count(self, key: Key) -> int:
         entry = self._entries.get(key)
         return 0 if entry is None else entry.pins
 
     # ----------------------------------------------------------------- stores
-    def begin_store(self, keys: Iterable[Key], unshared: bool = False) -> list[tuple[Key, int]]:
-        """Reserve slots for new entries, evicting idle ready entries (the policy's victims) as needed.
+    def begin_store(self, keys: Iterable[Key], unshared: bool = False,
+                    spare: Collection[Key] = ()) -> list[tuple[Key, int]]:
+        """Reserve slots for new entries, evicting idle ready entries (spare ones first, then the policy's victims)
+        as needed.
 
         `unshared`: the storing request shared no prefix with anything cached when it arrived; a policy with an
-        `unshared(key)` method hears it for each new entry (`EvictionPolicy.unshared`). Keys already present are
-        skipped. Stops at the first key that cannot get a slot: the keys come in prefix
-        order and a prefix with a hole in it is useless to a later request. Returns (key, slot) for each key
-        reserved; those entries stay pinned and unreadable until `finish_store`.
+        `unshared(key)` method hears it for each new entry (`EvictionPolicy.unshared`). `spare`: the keys to store as
+        spare entries (a free slot or another spare entry's, else skipped). Keys already present are skipped (a
+        regular offer of a spare entry promotes it). Stops at the first regular key that cannot get a slot: the keys
+        come in prefix order and a prefix with a hole in it is useless to a later request. Returns (key, slot) for
+        each key reserved; those entries stay pinned and unreadable until `finish_store`.
         """
         reserved: list[tuple[Key, int]] = []
         again: list[Key] = []
         # Optional in a policy named by module path: one written before the hint existed has no such method.
         hint = getattr(self.policy, "unshared", None) if unshared else None
         for key in keys:
+            is_spare = key in spare
             entry = self._entries.get(key)
             if entry is not None:
-                if entry.ready:
-                    again.append(key)
+                if not is_spare:
+                    if entry.spare:
+                        self.promote([key])
+                    elif entry.ready:
+                        again.append(key)
+                elif key in self._spare:  # a spare offer says nothing to the policy
+                    self._spare.move_to_end(key)
                 continue
-            slot = self._take_slot()
-            if slot is None:
-                self.store_rejections += 1
-                break
+            if is_spare:
+                slot = self._free_slot()
+                if slot is None and self._spare:
+                    slot = self._evict_spare()
+                if slot is None:
+                    self.spare_skips += 1
+                    continue
+            else:
+                slot = self._take_slot()
+                if slot is None:
+                    self.store_rejections += 1
+                    break
             nbytes = self._group_bytes[key[0]]
-            self._entries[key] = _Entry(slot=slot, nbytes=nbytes)
+            self._entries[key] = _Entry(slot=slot, nbytes=nbytes, spare=is_spare)
             self._used_bytes += nbytes
-            self.policy.stored(key)
-            if hint is not None:
-                hint(key)
+            if not is_spare:
+                self.policy.stored(key)
+                if hint is not None:
+                    hint(key)
             reserved.append((key, slot))
         for key in reversed(again):  # tail first, like every other recency update
             self.policy.reoffered(key)
         return reserved
+
+    def promote(self, keys: Iterable[Key]) -> None:
+        """Make spare entries regular (a load used one, or a store point that a rule asked for covers it): the
+        policy hears of each as newly stored, and of it becoming evictable if it is idle. Other keys are ignored."""
+        for key in keys:
+            entry = self._entries.get(key)
+            if entry is None or not entry.spare:
+                continue
+            entry.spare = False
+            self._spare.pop(key, None)
+            self.policy.stored(key)
+            if entry.ready:
+                self._promoted_ready.append(key)
+                if entry.pins == 0:
+                    self.policy.release(key)
+
+    def take_promoted(self) -> list[Key]:
+        """The readable entries promoted since the last call: regular now, so the second tiers write them through
+        (a spare entry is not written through; one still being stored is, when its store lands)."""
+        out, self._promoted_ready = self._promoted_ready, []
+        return [k for k in out if k in self._entries]
 
     def finish_store(self, keys: Sequence[Key], ok: bool = True) -> None:
         """Publish stored entries (or drop them if the copy failed). The tail of a prefix becomes evictable before
@@ -189,7 +252,7 @@ class TierIndex:
             entry.ready = True
             entry.pins -= 1
             if entry.pins == 0:
-                self.policy.release(key)
+                self._release(key, entry)
 
     # ------------------------------------------------------------------ loads
     def pin(self, keys: Iterable[Key], served: bool = True) -> list[int]:
@@ -201,16 +264,22 @@ class TierIndex:
             if not entry.ready:
                 raise KeyError(f"tier entry {key!r} is not readable yet")
             entry.pins += 1
-            self.policy.pin(key)
-            if served:
-                self.policy.loaded(key)
+            if entry.spare:
+                self._spare.pop(key, None)
+                if served:  # it served a load: a regular entry from now on
+                    self.promote([key])
+                    self.policy.loaded(key)
+            else:
+                self.policy.pin(key)
+                if served:
+                    self.policy.loaded(key)
             slots.append(entry.slot)
         return slots
 
     def has_room(self, n: int) -> bool:
         """Whether `begin_store` of `n` new keys would get a slot for each now (free slots and idle entries to
         evict)."""
-        free = self.capacity_slots - self._next_slot + len(self._free_slots)
+        free = self.capacity_slots - self._next_slot + len(self._free_slots) + len(self._spare)
         return free >= n or free + self.policy.num_evictable() >= n
 
     def unpin(self, keys: Sequence[Key]) -> None:
@@ -221,13 +290,18 @@ class TierIndex:
             entry.pins -= 1
             assert entry.pins >= 0, key
             if entry.pins == 0 and entry.ready:
-                self.policy.release(key)
+                self._release(key, entry)
 
     def touch(self, keys: Sequence[Key]) -> None:
         """Mark a prefix as recently used, tail first so that its head is the most recent."""
         for key in reversed(keys):
-            if key in self._entries:
+            entry = self._entries.get(key)
+            if entry is None:
+                continue
+            if not entry.spare:
                 self.policy.touch(key)
+            elif key in self._spare:
+                self._spare.move_to_end(key)
 
     def drop(self, keys: Iterable[Key]) -> None:
         """Forget the entries of a failed load. Entries another load still pins are kept: its copy is reading them,
@@ -251,6 +325,8 @@ class TierIndex:
             else:
                 self._free_slots.append(entry.slot)
         self._entries.clear()
+        self._spare.clear()
+        self._promoted_ready.clear()
         self.policy.clear()
         self._used_bytes = 0
 
@@ -268,17 +344,25 @@ class TierIndex:
                 self._free_slots.append(slot)
 
     # --------------------------------------------------------------- internal
-    def _take_slot(self) -> int | None:
+    def _free_slot(self) -> int | None:
         if self._free_slots:
             return self._free_slots.pop()
         if self._next_slot < self.capacity_slots:
             self._next_slot += 1
             return self._next_slot - 1
+        return None
+
+    def _take_slot(self) -> int | None:
+        slot = self._free_slot()
+        if slot is not None:
+            return slot
+        if self._spare:
+            return self._evict_spare()
         victim = self.policy.victim()
         if victim is None:
             return None
         entry = self._entries.get(victim)
-        if entry is None or not entry.ready or entry.pins:
+        if entry is None or not entry.ready or entry.pins or entry.spare:
             raise RuntimeError(f"eviction policy {type(self.policy).__name__} chose {victim!r}, which is not a "
                                f"readable, unpinned tier entry ({entry})")
         self.evictions += 1
@@ -288,9 +372,30 @@ class TierIndex:
             self.on_removed(victim)
         return entry.slot
 
+    def _evict_spare(self) -> int:
+        key, _ = self._spare.popitem(last=False)
+        entry = self._entries.pop(key)
+        self.evictions += 1
+        self.spare_evictions += 1
+        self._used_bytes -= entry.nbytes
+        if self.on_removed is not None:
+            self.on_removed(key)
+        return entry.slot
+
+    def _release(self, key: Key, entry: _Entry) -> None:
+        """An entry became idle (readable, unpinned): evictable, spare ones first."""
+        if entry.spare:
+            self._spare[key] = None
+            self._spare.move_to_end(key)
+        else:
+            self.policy.release(key)
+
     def _drop(self, key: Key) -> None:
         entry = self._entries.pop(key)
-        self.policy.removed(key)
+        if entry.spare:
+            self._spare.pop(key, None)
+        else:
+            self.policy.removed(key)
         self._used_bytes -= entry.nbytes
         self._free_slots.append(entry.slot)
         if entry.ready and self.on_removed is not None:  # an unpublished entry was never announced

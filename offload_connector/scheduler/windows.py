@@ -13,6 +13,11 @@ the prompt useless (its full-attention blocks are there, its window is not). The
 * junctions: a boundary where a lookup found an earlier request's full-attention blocks but no window (the two
   requests share the prefix to there); the request computing through it stores the window so a third one can
   resume exactly there.
+
+Every other boundary's window is stored as a *spare* (`spare_windows`, on by default): in CPU-tier room no regular
+entry uses, evicted before anything else (`tier_index.py`). A tier with room then resumes any prefix at its last
+block boundary, whatever the window, the block sizes or where the traffic shares prefixes; a tier under pressure
+keeps the points above.
 """
 
 from __future__ import annotations
@@ -36,3 +41,10 @@ def store_points(scanned: int, upto: int, prompt_tokens: int, alignment: int, sp
         points.update(range((scanned // step + 1) * step, upto + 1, step))
     points.update(j for j in junctions if scanned < j <= upto)
     return sorted(p for p in points if p > 0)
+
+
+def spare_points(scanned: int, upto: int, alignment: int, kept: Iterable[int]) -> list[int]:
+    """Every boundary in (scanned, upto] that `store_points` did not keep, ascending."""
+    kept = set(kept)
+    first = (scanned // alignment + 1) * alignment
+    return [p for p in range(first, upto + 1, alignment) if p not in kept]
