@@ -328,6 +328,8 @@ def _child(script_path: str, out_path: str) -> None:
         _record_shared_puts(shared_keys)
     if script.get("late_copies"):
         _late_copies(**script["late_copies"])
+    if script.get("slow_fetches"):
+        _slow_fetches(**script["slow_fetches"])
     llm = LLM(model=script["model"], **engine_kw)
     engine = llm.llm_engine
     core = engine.engine_core.engine_core  # InprocClient -> EngineCore
@@ -395,14 +397,20 @@ def _child(script_path: str, out_path: str) -> None:
                 names[r["id"]] = r
             outputs: dict[str, Any] = {}
             max_steps, stall_steps = int(act.get("max_steps", 5000)), int(act.get("stall_steps", 40))
-            steps = idle = 0
+            # A stall is `stall_steps` idle steps in a row lasting at least `stall_wall_s` seconds: with the latter,
+            # idle steps sleep 5 ms, so a background read or write that a busy machine makes slow (a shared-tier
+            # fetch took 1.2 s of 5,000 idle steps once under load) is waited for by time, not by how fast an
+            # idle engine can step. `max_steps` counts only steps that scheduled tokens then.
+            stall_wall_s = float(act.get("stall_wall_s", 0))
+            idle_since = 0.0
+            steps = idle = busy_steps = 0
             stalled = False
             stall_info = None
             first = len(step_tokens)
             aborts = {int(k): v for k, v in (act.get("abort_after_steps") or {}).items()}  # step -> [ids]
             aborted: list[str] = []
             while engine.has_unfinished_requests():
-                if steps >= max_steps or time.monotonic() > deadline:
+                if (busy_steps if stall_wall_s else steps) >= max_steps or time.monotonic() > deadline:
                     break
                 if steps in aborts:
                     engine.abort_request(aborts[steps])
@@ -412,8 +420,16 @@ def _child(script_path: str, out_path: str) -> None:
                         outputs[o.request_id] = {"token_ids": list(o.outputs[0].token_ids),
                                                  "num_cached_tokens": o.num_cached_tokens}
                 steps += 1
-                idle = idle + 1 if step_tokens and step_tokens[-1] == 0 else 0
-                if idle >= stall_steps:
+                if step_tokens and step_tokens[-1] == 0:
+                    if idle == 0:
+                        idle_since = time.monotonic()
+                    idle += 1
+                    if stall_wall_s:
+                        time.sleep(0.005)
+                else:
+                    idle = 0
+                    busy_steps += 1
+                if idle >= stall_steps and time.monotonic() - idle_since >= stall_wall_s:
                     stalled = True
                     stall_info = _stall_state(sched, sconn)
                     break
@@ -549,6 +565,19 @@ def _late_copies(delay_s: float, report_early: bool = True, fenced: bool = True)
         landing.LandingEstimate.lands_within_a_step = lambda self, job_id: True
     if not fenced:
         transfers.TransferEngine.order_compute_after_loads = lambda self, job_ids: None
+
+
+def _slow_fetches(delay_s: float) -> None:
+    """Test aid: every shared-tier read-back of this process's workers sleeps `delay_s` on its background thread
+    before fetching, as a loaded machine or a slow store makes it (an idle engine meanwhile steps thousands of
+    times: a stall bound in steps alone would call that a stall)."""
+    from offload_connector.worker import remote_io
+    real = remote_io.WorkerRemoteTier._get
+
+    def get(self: Any, job: Any) -> Any:
+        time.sleep(delay_s)
+        return real(self, job)
+    remote_io.WorkerRemoteTier._get = get
 
 
 def _record_shared_puts(into: list[dict[str, Any]]) -> None:

@@ -49,7 +49,7 @@ def test_may_load_async_probes_the_tiers_without_side_effects() -> None:
     side = drv.side
     back = make_request("back", prefix + tokens(2, 40), 4, hbs)
     cold = make_request("cold", tokens(9, PREFIX), 4, hbs)
-    short = make_request("short", prefix[:32] + tokens(4, 200), 4, hbs)  # 2 blocks: under min_load_tokens
+    short = make_request("short", prefix[:8] + tokens(4, 200), 4, hbs)  # half a block: nothing to load
     for r in (back, cold, short):
         side.on_new_request(r)
     state = side._requests["back"]

@@ -28,6 +28,7 @@ PREFIX, NEW, GEN = 576, 40, 12
 ENGINE = {"max_model_len": 1024, "max_num_batched_tokens": 128}
 # A read-back goes through a thread pool while the idle engine steps; loads in flight are not a stall.
 IDLE_OK = 5000
+IDLE_WALL_S = 120  # ... and bounded by time, not by how fast an idle engine steps (engine_helpers)
 
 
 def _prompt(seed: int) -> list[int]:
@@ -36,7 +37,7 @@ def _prompt(seed: int) -> list[int]:
 
 def _gen(rid: str, prompt: list[int], max_tokens: int) -> dict:
     return {"op": "generate", "requests": [{"id": rid, "prompt_token_ids": prompt, "max_tokens": max_tokens}],
-            "stall_steps": IDLE_OK}
+            "stall_steps": IDLE_OK, "stall_wall_s": IDLE_WALL_S}
 
 
 def _out(res: dict, rid: str) -> dict:

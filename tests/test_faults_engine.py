@@ -31,6 +31,7 @@ pytestmark = pytest.mark.engine
 PREFIX, NEW, GEN = 576, 40, 12
 ENGINE = {"max_model_len": 1024, "max_num_batched_tokens": 128}
 IDLE_OK = 5000  # background reads and writes while the idle engine steps are not a stall
+IDLE_WALL_S = 120  # ... and bounded by time, not by how fast an idle engine steps (engine_helpers)
 SECRET = b"the pool's secret for the fault tests\n"
 
 
@@ -40,7 +41,7 @@ def _prompt(seed: int) -> list[int]:
 
 def _gen(rid: str, prompt: list[int], max_tokens: int) -> dict:
     return {"op": "generate", "requests": [{"id": rid, "prompt_token_ids": prompt, "max_tokens": max_tokens}],
-            "stall_steps": IDLE_OK}
+            "stall_steps": IDLE_OK, "stall_wall_s": IDLE_WALL_S}
 
 
 def _act(res: dict, rid: str) -> dict:

@@ -38,10 +38,13 @@ SLOT_BYTES = 4096  # one block of either group: 2 x 16 tokens x 1 head x 64 x bf
 PREFIX = 320  # tokens of the stored prefix (20 full-attention blocks, a 4-block window)
 
 
-def rig(*, num_blocks: int = 160, cpu_slots: int = 4096, batch: int = 64, depth: int | None = None, **engine):
+def rig(*, num_blocks: int = 160, cpu_slots: int = 4096, batch: int = 64, depth: int | None = None,
+        spare_windows: bool = False, **engine):
     """vLLM's Scheduler over a full-attention + sliding-window layout; `depth` 2 is EngineCore's async batch queue
-    (the default for this async-scheduling config), 1 a synchronous engine. `engine`: TagCopier knobs."""
-    kvt = connector_config("exact", cpu_slots * SLOT_BYTES)
+    (the default for this async-scheduling config), 1 a synchronous engine. `engine`: TagCopier knobs. The tests
+    count exactly which windows the rules store, so spare windows are off unless a test asks for them
+    (tests/test_lifecycle_property.py runs the lifecycle with them)."""
+    kvt = connector_config("exact", cpu_slots * SLOT_BYTES, spare_windows=spare_windows)
     sched, hbs = build_custom(GROUPS, num_blocks=num_blocks, max_num_batched_tokens=batch, max_model_len=2048,
                               kv_transfer_config=kvt)
     drv = SchedulerDriver(sched, TagCopier(**engine), batch_depth=depth)
@@ -192,6 +195,23 @@ def test_abort_while_stores_are_in_flight(depth, moment):
         drv.add([make_request("s2", prompt, 1, hbs)])
         drain(drv)
         reload_ok(drv, hbs, prompt, "again", at_least=400)
+
+
+def test_abort_mid_prefill_with_spare_windows_resumes_where_its_stores_landed():
+    """With spare windows the windows a prefill passed through are stored too: once the aborted request's stores
+    land, a later request resumes at the last boundary they reached instead of recomputing the whole prompt."""
+    drv, hbs = rig(depth=2, hold_stores=True, spare_windows=True)
+    prompt = tokens(7, 400)
+    drv.add([make_request("s", prompt, 4, hbs)])
+    step_until(drv, lambda d: len(d.engine.inflight_jobs("store", "s")) >= 2, max_steps=20)
+    done = drv.sched.requests["s"].num_computed_tokens
+    assert abort(drv, "s")
+    drv.engine.release(drv.step_no)
+    drain(drv)
+    assert drv.sched.reset_prefix_cache()
+    hit = drv.side.admission.hit(make_request("probe", prompt + [1], 1, hbs), 400)
+    assert 0 < hit <= done
+    assert_ok(step_invariants(drv))
 
 
 @pytest.mark.parametrize("which", ["all", "second"])

@@ -190,7 +190,7 @@ def test_tp2_restart_loads_from_every_ranks_disk_file(model_dir: str, tmp_path) 
     drained(run_engine_logged(store, timeout=480, env=env))
     files = sorted(p.parent.name for p in (tmp_path / "disk").rglob("slots.bin"))
     assert files == ["dp0-pp0-tp0", "dp0-pp0-tp1"]
-    reload = {**store, "actions": [{"op": "generate", "stall_steps": 5000, "requests": [
+    reload = {**store, "actions": [{"op": "generate", "stall_steps": 5000, "stall_wall_s": 120, "requests": [
         {"id": "reload", "prompt_token_ids": full, "max_tokens": GEN}]}]}
     res = run_engine_logged(reload, timeout=480, env=env)
     out = _out(res, "reload")
