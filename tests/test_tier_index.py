@@ -100,12 +100,16 @@ def test_on_removed_reports_evictions_and_dropped_readable_entries():
 
 # Spare entries: windows stored in room nobody else uses (scheduler/stores.py, `spare_windows`).
 
+def _stored(tier, ks, spare=False):
+    """Store and publish `ks` (as spare entries with `spare`); returns them."""
+    tier.begin_store(ks, spare=set(ks) if spare else ())
+    tier.finish_store(ks)
+    return ks
+
 @pytest.mark.parametrize("policy", ["lru", "slru", "arc"])
 def test_spare_entries_take_only_free_or_spare_room(policy):
     tier = TierIndex(4, [10], policy=policy)
-    regular = keys(3)
-    tier.begin_store(regular)
-    tier.finish_store(regular)
+    regular = _stored(tier, keys(3))
     spare = keys(3, tag="s")
     got = tier.begin_store(spare, spare=set(spare))
     # One free slot: the first spare key takes it; the others would need a regular entry's slot, so they are skipped.
@@ -122,12 +126,8 @@ def test_spare_entries_take_only_free_or_spare_room(policy):
 @pytest.mark.parametrize("policy", ["lru", "slru", "arc"])
 def test_a_regular_store_evicts_idle_spare_entries_first(policy):
     tier = TierIndex(4, [10], policy=policy)
-    spare = keys(2, tag="s")
-    tier.begin_store(spare, spare=set(spare))
-    tier.finish_store(spare)
-    regular = keys(2)
-    tier.begin_store(regular)
-    tier.finish_store(regular)  # the tier is full: 2 regular, 2 spare
+    spare = _stored(tier, keys(2, tag="s"), spare=True)
+    regular = _stored(tier, keys(2))  # the tier is full: 2 regular, 2 spare
     assert tier.evictable_keys()[:2] == spare[::-1]  # spare ones go first, a prefix from its tail
     more = keys(2, tag="b")
     tier.begin_store(more)
@@ -138,9 +138,7 @@ def test_a_regular_store_evicts_idle_spare_entries_first(policy):
 @pytest.mark.parametrize("policy", ["lru", "slru", "arc"])
 def test_a_spare_entry_that_serves_a_load_or_is_offered_by_a_regular_store_becomes_regular(policy):
     tier = TierIndex(8, [10], policy=policy)
-    spare = keys(3, tag="s")
-    tier.begin_store(spare, spare=set(spare))
-    tier.finish_store(spare)
+    spare = _stored(tier, keys(3, tag="s"), spare=True)
     # Served a load: regular from then on, and the policy knows it (evictable once unpinned).
     tier.pin(spare[:1])
     assert not tier.is_spare(spare[0])
