@@ -330,6 +330,12 @@ def _child(script_path: str, out_path: str) -> None:
         _late_copies(**script["late_copies"])
     if script.get("slow_fetches"):
         _slow_fetches(**script["slow_fetches"])
+    # Under the contention harness every copy the connector makes is logged with the scheduler step it ran in and
+    # the KV cache blocks it wrote or read, so a divergent output can be checked against what touched its blocks.
+    copies: list[dict[str, Any]] | None = [] if os.environ.get("OC_ENGINE_LOG_DIR") else None
+    step_no = [0]
+    if copies is not None:
+        _log_copies(copies, step_no)
     llm = LLM(model=script["model"], **engine_kw)
     engine = llm.llm_engine
     core = engine.engine_core.engine_core  # InprocClient -> EngineCore
@@ -344,9 +350,19 @@ def _child(script_path: str, out_path: str) -> None:
     step_tokens: list[int] = []
     orig_schedule = sched.schedule
 
+    block_log: list[dict[str, Any]] = []
+    last_blocks: dict[str, Any] = {}
+
     def schedule(*a: Any, **k: Any) -> Any:
         out = orig_schedule(*a, **k)
         step_tokens.append(int(out.total_num_scheduled_tokens))
+        step_no[0] += 1
+        if copies is not None:  # each request's KV blocks per group, whenever they change
+            for rid in list(sched.requests):
+                ids = [list(map(int, g)) for g in sched.kv_cache_manager.get_block_ids(rid)]
+                if last_blocks.get(rid) != ids:
+                    last_blocks[rid] = ids
+                    block_log.append({"step": step_no[0], "request": rid, "blocks": ids})
         return out
     sched.schedule = schedule
 
@@ -506,6 +522,9 @@ def _child(script_path: str, out_path: str) -> None:
     result["snapshot"] = _snapshot(sconn)
     if script.get("record_shared_keys"):
         result["shared_keys"] = shared_keys
+    if copies is not None:
+        result["copies"] = copies
+        result["blocks"] = block_log
     disk = getattr(getattr(sconn, "scheduler_side", None), "disk", None)
     if disk is not None:
         import dataclasses
@@ -565,6 +584,19 @@ def _late_copies(delay_s: float, report_early: bool = True, fenced: bool = True)
         landing.LandingEstimate.lands_within_a_step = lambda self, job_id: True
     if not fenced:
         transfers.TransferEngine.order_compute_after_loads = lambda self, job_ids: None
+
+
+def _log_copies(into: list[dict[str, Any]], step_no: list[int]) -> None:
+    """Record every host copy (direction, and per KV cache group the device blocks it wrote or read) with the
+    scheduler step it ran in (`step_no[0]`, advanced by the schedule hook)."""
+    from offload_connector.kernels import host_copy
+    real = host_copy.HostCopier._copy
+
+    def copy(self: Any, direction: str, ids: Any, stream: Any) -> Any:
+        into.append({"step": step_no[0], "dir": direction,
+                     "dev": [None if pair is None else [int(b) for b in pair[1]] for pair in ids]})
+        return real(self, direction, ids, stream)
+    host_copy.HostCopier._copy = copy
 
 
 def _slow_fetches(delay_s: float) -> None:
