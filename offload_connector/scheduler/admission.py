@@ -56,7 +56,7 @@ class AdmissionControl:
         # Admissions with the pool around them, kept only while a test or simulation records them
         # (`OffloadScheduler.record_admissions`): in "vllm" reservation mode the plan is computed only for this log.
         self.log: deque[Admission] | None = None
-        self._holders_cache: tuple[tuple[int, int, int], int] | None = None
+        self._rows_cache: tuple[tuple[int, int, int], list[ledger.LedgerRow]] | None = None
         self._newer_cache: tuple[tuple[int, int, int, str], bool] | None = None
         # The disk tier (None when off): lookups extend into it, loads read its entries back (scheduler/disk_tier).
         self.disk: DiskTierPlanner | None = None
@@ -274,7 +274,7 @@ class AdmissionControl:
         key = (step, free, len(self.jobs.loads), load.request_id)
         if self._newer_cache is None or self._newer_cache[0] != key:
             released = reserved = 0
-            for row in self.rows():
+            for row in self._step_rows(free, step):
                 state = self.requests[row.request_id]
                 if self.fair.order(state.request) > load.order:
                     reserved += sum(row.remaining)
@@ -291,11 +291,15 @@ class AdmissionControl:
         return sum(1 for m in self._kv().managers for blk in m.req_to_blocks.get(request_id, ())
                    if not blk.is_null and blk.ref_cnt == 1)
 
-    def _holders_remaining(self, free: int, step: int) -> int:
+    def _step_rows(self, free: int, step: int) -> list[ledger.LedgerRow]:
+        """The ledger rows, computed once per step and pool state for the fairness checks of every waiting request."""
         key = (step, free, len(self.jobs.loads))
-        if self._holders_cache is None or self._holders_cache[0] != key:
-            self._holders_cache = (key, sum(sum(r.remaining) for r in self.rows()))
-        return self._holders_cache[1]
+        if self._rows_cache is None or self._rows_cache[0] != key:
+            self._rows_cache = (key, self.rows())
+        return self._rows_cache[1]
+
+    def _holders_remaining(self, free: int, step: int) -> int:
+        return sum(sum(r.remaining) for r in self._step_rows(free, step))
 
     def _local_blocks(self, request: Any, local: int) -> list[list[Any]]:
         """The local prefix-hit blocks vLLM adopts with a hit of `local` tokens.

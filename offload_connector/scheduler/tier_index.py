@@ -264,15 +264,14 @@ class TierIndex:
             if not entry.ready:
                 raise KeyError(f"tier entry {key!r} is not readable yet")
             entry.pins += 1
-            if entry.spare:
-                self._spare.pop(key, None)
-                if served:  # it served a load: a regular entry from now on
-                    self.promote([key])
-                    self.policy.loaded(key)
-            else:
+            if not entry.spare:
                 self.policy.pin(key)
-                if served:
-                    self.policy.loaded(key)
+            else:
+                self._spare.pop(key, None)
+                if served:  # it served a load: a regular entry from now on (the policy hears it stored, pinned)
+                    self.promote([key])
+            if served and not entry.spare:
+                self.policy.loaded(key)
             slots.append(entry.slot)
         return slots
 
