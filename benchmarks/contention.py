@@ -8,7 +8,8 @@ both), and reports per test how many runs passed, failed or errored, and why.
 
 Every run keeps its JUnit XML, `run.json` (commit, seconds, load average) and pytest's log; a run with a failure also
 keeps, through OC_ENGINE_LOG_DIR, every engine's script, result and full log, so a divergence can be examined
-afterwards (`DIR/run-007/engines/...`). The summary is `DIR/summary.json`. The project's own runs are gathered in
+afterwards; every engine runs with OC_KV_TRACE (tests/engine_helpers.py), so a KV block that changes while its
+request holds it fails the run even when no greedy token flips (`DIR/run-007/engines/...`). The summary is `DIR/summary.json`. The project's own runs are gathered in
 `docs/results/contention/` (`--out docs/results/contention --resume`).
 
     bash scripts/contention --runs 20 --burners 3 --out results/contention
@@ -116,7 +117,9 @@ def load_average() -> float:
 def run_once(index: int, tests: list[str], out: Path, python: str, timeout_s: float) -> dict[str, Any]:
     run_dir = out / f"run-{index:03d}"
     (run_dir / "engines").mkdir(parents=True, exist_ok=True)
-    env = dict(os.environ, OC_ENGINE_LOG_DIR=str(run_dir / "engines"))
+    # OC_KV_TRACE: each engine hashes every full block its requests computed before each step and fails the run if
+    # one changes while its request holds it (a write from outside the forward, whether or not a token flips).
+    env = dict(os.environ, OC_ENGINE_LOG_DIR=str(run_dir / "engines"), OC_KV_TRACE="1")
     env["PYTHONPATH"] = str(ROOT) + (os.pathsep + env["PYTHONPATH"] if env.get("PYTHONPATH") else "")
     xml = run_dir / "junit.xml"
     cmd = [python, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--junitxml={xml}", *tests]

@@ -114,6 +114,10 @@ class OffloadWorkerMetadata(KVConnectorWorkerMetadata):
     disk_writes_failed: list[int] = field(default_factory=list)
     remote_writes_done: list[int] = field(default_factory=list)
     remote_writes_failed: list[int] = field(default_factory=list)
+    # Load jobs whose disk or shared-tier reads outlived load_timeout_s: reported failed while a read may still write
+    # their CPU-tier slots (abandoned), and later every read of them returned (settled): the slots are free again.
+    reads_abandoned: list[int] = field(default_factory=list)
+    reads_settled: list[int] = field(default_factory=list)
 
     def aggregate(self, other: KVConnectorWorkerMetadata) -> KVConnectorWorkerMetadata:
         # With several workers a job is done only when every worker wrote its shard; the scheduler counts reports
@@ -123,4 +127,6 @@ class OffloadWorkerMetadata(KVConnectorWorkerMetadata):
                                      self.disk_writes_done + other.disk_writes_done,
                                      self.disk_writes_failed + other.disk_writes_failed,
                                      self.remote_writes_done + other.remote_writes_done,
-                                     self.remote_writes_failed + other.remote_writes_failed)
+                                     self.remote_writes_failed + other.remote_writes_failed,
+                                     self.reads_abandoned + other.reads_abandoned,
+                                     self.reads_settled + other.reads_settled)

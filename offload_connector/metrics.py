@@ -28,6 +28,7 @@ labels):
 | `vllm:offload_connector_load_failures_total` | counter | | worker | load jobs that failed on a worker (request recomputed) |
 | `vllm:offload_connector_store_failures_total` | counter | | worker | store jobs that failed on a worker (blocks not cached) |
 | `vllm:offload_connector_load_verify_failures_total` | counter | | worker | load jobs whose landed blocks did not match the checksums stored with them (`verify_loads`); each is also a load failure |
+| `vllm:offload_connector_load_timeouts_total` | counter | | worker | load jobs not done within `load_timeout_s` (the copy, or the disk/shared-tier read-back before it), reported failed; each is also a load failure |
 | `vllm:offload_connector_loads_reported_early_total` | counter | | worker | load jobs reported to vLLM before their copy landed (`load_completion: "ordered"`), summed over workers: the forward that reads each is ordered after its copy |
 | `vllm:offload_connector_loaded_tokens_total` | counter | | scheduler | prompt tokens whose load landed (and verified): the external hits a request really got from the CPU tier. vLLM's `vllm:external_prefix_cache_hits_total` counts granted tokens at admission, failed loads included |
 | `vllm:offload_connector_deferrals_total` | counter | `reason` | scheduler | load decisions other than "admit the full hit now" |
@@ -96,6 +97,7 @@ EVICTIONS = "cpu_tier_evictions"
 STALLS = "stalls_detected"
 STORE_REJECTIONS = "cpu_tier_store_rejections"
 LOAD_VERIFY_FAILURES = "load_verify_failures"
+LOAD_TIMEOUTS = "load_timeouts"
 LOADS_REPORTED_EARLY = "loads_reported_early"
 LOADED_TOKENS = "loaded_tokens"
 DISK_EVICTIONS, DISK_READ_BACK, DISK_WRITE_SKIPS = "disk_tier_evictions", "disk_tier_read_back_blocks", \
@@ -182,6 +184,9 @@ class OffloadStats(KVConnectorStats):
     def record_load_verify_failure(self) -> None:
         self._add(LOAD_VERIFY_FAILURES, 1)
 
+    def record_load_timeout(self) -> None:
+        self._add(LOAD_TIMEOUTS, 1)
+
     def record_load_reported_early(self) -> None:
         self._add(LOADS_REPORTED_EARLY, 1)
 
@@ -233,7 +238,7 @@ class OffloadStats(KVConnectorStats):
                 # Bytes of all workers over the time of all workers: mean bandwidth of one worker's copies.
                 out[f"{direction}_GBps"] = _sig(counters.get(nbytes_key, 0) / total / 1e9) if total > 0 else 0.0
         for key, value in counters.items():
-            if key.startswith(DEFERRAL_PREFIX) or key in (EVICTIONS, STALLS, STORE_REJECTIONS, LOAD_VERIFY_FAILURES,
+            if key.startswith(DEFERRAL_PREFIX) or key in (EVICTIONS, STALLS, STORE_REJECTIONS, LOAD_VERIFY_FAILURES, LOAD_TIMEOUTS,
                                                           LOADS_REPORTED_EARLY, LOADED_TOKENS, *_DISK_COUNTERS):
                 out[key.replace(":", "_")] = value
         out.update(gauges)
@@ -343,6 +348,11 @@ class OffloadStatsSink:
         """Worker side: a load job whose blocks did not match their stored checksums (also a load failure)."""
         with self._lock:
             self._stats.record_load_verify_failure()
+
+    def record_load_timeout(self) -> None:
+        """Worker side: a load job not done within load_timeout_s (copy or read-back; also a load failure)."""
+        with self._lock:
+            self._stats.record_load_timeout()
 
     def record_load_reported_early(self) -> None:
         """Worker side: a load job reported before its copy landed (load_completion "ordered")."""

@@ -31,6 +31,8 @@ _COUNTERS: dict[str, tuple[str, str]] = {
     m.STORE_FAILURES: ("store_failures_total", "Store jobs that failed on a worker; their blocks are not cached."),
     m.LOAD_VERIFY_FAILURES: ("load_verify_failures_total", "Load jobs whose landed blocks did not match the checksums "
                                                            "stored with them (verify_loads); also load failures."),
+    m.LOAD_TIMEOUTS: ("load_timeouts_total", "Load jobs not done within load_timeout_s (the copy, or the disk or "
+                                             "shared-tier read-back before it), reported failed; also load failures."),
     m.LOADS_REPORTED_EARLY: ("loads_reported_early_total", "Load jobs reported to vLLM before their copy landed "
                                                            "(load_completion \"ordered\"); the forward that reads "
                                                            "each is ordered after its copy."),

@@ -40,6 +40,7 @@ with large random values, before the step that computes the request's remaining 
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import socket
@@ -136,6 +137,10 @@ def run_engine(script: dict[str, Any], timeout: float = 300.0, log_dir: str | os
         if rc != 0 or not op.exists():
             raise EngineRunError(f"engine run failed (exit {rc})\n{_tail(lp)}")
         result = json.loads(op.read_text())
+        changed = (result.get("kv_trace") or {}).get("changed")
+        if changed:
+            raise EngineRunError(f"KV blocks changed while their request held them (OC_KV_TRACE): {changed[:5]}\n"
+                                 f"{_tail(lp)}")
         result["log_tail"] = _tail(lp, 4000)
         if full_log:
             result["log"] = lp.read_text(errors="replace")
@@ -353,7 +358,39 @@ def _child(script_path: str, out_path: str) -> None:
     block_log: list[dict[str, Any]] = []
     last_blocks: dict[str, Any] = {}
 
+    # With OC_KV_TRACE set, every full block a request has computed is hashed before each step (per group, per
+    # layer): a block whose bytes change while its request holds it was written from outside the forward, and the
+    # first hashes compare across engines (the same prompt without the connector).
+    kv_trace: dict[str, Any] | None = {"first": {}, "changed": []} if os.environ.get("OC_KV_TRACE") else None
+
+    def trace_kv() -> None:
+        import torch
+        ctx = engine.vllm_config.compilation_config.static_forward_context
+        for rid, req in list(sched.requests.items()):
+            if "REMOTE" in req.status.name:  # its load may still be landing: its blocks are not its own yet
+                continue
+            ids = sched.kv_cache_manager.get_block_ids(rid)
+            for g, blocks in enumerate(ids):
+                group = kcc.kv_cache_groups[g]
+                bs = group.kv_cache_spec.block_size
+                for i, blk in enumerate(blocks):
+                    if blk == 0 or (i + 1) * bs > req.num_computed_tokens:
+                        continue
+                    h = hashlib.blake2b(digest_size=8)
+                    for layer in group.layer_names:
+                        kv = ctx[layer].kv_cache
+                        kv = kv[0] if isinstance(kv, (list, tuple)) else kv
+                        h.update(_block_view(kv, int(blk), kcc.num_blocks).contiguous().view(-1).view(torch.uint8)
+                                 .numpy().tobytes())
+                    key, digest = f"{rid}/{g}/{i}@{blk}", h.hexdigest()
+                    first = kv_trace["first"].setdefault(key, [step_no[0], int(blk), digest])
+                    if first[2] != digest and len(kv_trace["changed"]) < 200:
+                        kv_trace["changed"].append({"step": step_no[0], "block": key, "id": int(blk),
+                                                    "was": first[2], "now": digest, "hashed_at": first[0]})
+
     def schedule(*a: Any, **k: Any) -> Any:
+        if kv_trace is not None:
+            trace_kv()
         out = orig_schedule(*a, **k)
         step_tokens.append(int(out.total_num_scheduled_tokens))
         step_no[0] += 1
@@ -408,7 +445,8 @@ def _child(script_path: str, out_path: str) -> None:
             reqs = act["requests"]
             names = {}
             for r in reqs:
-                sp = SamplingParams(max_tokens=r.get("max_tokens", 8), temperature=0.0, ignore_eos=True)
+                sp = SamplingParams(max_tokens=r.get("max_tokens", 8), temperature=0.0, ignore_eos=True,
+                                    logprobs=r.get("logprobs"))
                 engine.add_request(r["id"], {"prompt_token_ids": r["prompt_token_ids"]}, sp)
                 names[r["id"]] = r
             outputs: dict[str, Any] = {}
@@ -435,6 +473,10 @@ def _child(script_path: str, out_path: str) -> None:
                     if o.finished:
                         outputs[o.request_id] = {"token_ids": list(o.outputs[0].token_ids),
                                                  "num_cached_tokens": o.num_cached_tokens}
+                        if o.outputs[0].logprobs:  # top-k per generated token: the greedy margin of a divergence
+                            outputs[o.request_id]["logprobs"] = [
+                                sorted(([int(t), float(lp.logprob)] for t, lp in step.items()), key=lambda x: -x[1])
+                                for step in o.outputs[0].logprobs]
                 steps += 1
                 if step_tokens and step_tokens[-1] == 0:
                     if idle == 0:
@@ -504,6 +546,17 @@ def _child(script_path: str, out_path: str) -> None:
                 engine.step()
                 time.sleep(0.05)
             result["actions"].append({"op": op, "name": act["name"], "released": released})
+        elif op == "touch":
+            Path(act["path"]).touch()
+            result["actions"].append({"op": op})
+        elif op == "settle_reads":
+            # Step the idle engine until no abandoned read-back holds CPU-tier slots (bounded by `seconds`).
+            side = getattr(sconn, "scheduler_side", None)
+            until = min(deadline, time.monotonic() + float(act.get("seconds", 60)))
+            while side is not None and side.jobs.held_read_slots and time.monotonic() < until:
+                engine.step()
+                time.sleep(0.02)
+            result["actions"].append({"op": op})
         elif op == "state":
             result["actions"].append({"op": op, "scheduler": _scheduler_state(sched, sconn),
                                       "workers": llm.collective_rpc(_worker_state)})
@@ -522,6 +575,8 @@ def _child(script_path: str, out_path: str) -> None:
     result["snapshot"] = _snapshot(sconn)
     if script.get("record_shared_keys"):
         result["shared_keys"] = shared_keys
+    if kv_trace is not None:
+        result["kv_trace"] = kv_trace
     if copies is not None:
         result["copies"] = copies
         result["blocks"] = block_log
@@ -599,15 +654,21 @@ def _log_copies(into: list[dict[str, Any]], step_no: list[int]) -> None:
     host_copy.HostCopier._copy = copy
 
 
-def _slow_fetches(delay_s: float) -> None:
+def _slow_fetches(delay_s: float, release_file: str | None = None) -> None:
     """Test aid: every shared-tier read-back of this process's workers sleeps `delay_s` on its background thread
     before fetching, as a loaded machine or a slow store makes it (an idle engine meanwhile steps thousands of
-    times: a stall bound in steps alone would call that a stall)."""
+    times: a stall bound in steps alone would call that a stall). With `release_file`, it waits (at most `delay_s`)
+    until that file exists instead: a fetch hung until the script says (`touch` action)."""
     from offload_connector.worker import remote_io
     real = remote_io.WorkerRemoteTier._get
 
     def get(self: Any, job: Any) -> Any:
-        time.sleep(delay_s)
+        if release_file is None:
+            time.sleep(delay_s)
+        else:
+            until = time.monotonic() + delay_s
+            while not os.path.exists(release_file) and time.monotonic() < until:
+                time.sleep(0.02)
         return real(self, job)
     remote_io.WorkerRemoteTier._get = get
 
@@ -667,7 +728,8 @@ def _scheduler_state(sched: Any, sconn: Any) -> dict[str, Any]:
     out.update(loads=len(jobs.loads), orphan_loads=len(jobs.orphan_loads), store_jobs=len(jobs.store_jobs),
                awaiting_free=len(jobs.awaiting_free), busy=jobs.busy(), requests=len(side._requests),
                tier_entries=tier.used_slots, ready_entries=tier.ready_entries, pinned_entries=tier.pinned_entries,
-               retired_slots=tier.retired_slots, load_failures=side.counters.load_failures)
+               retired_slots=tier.retired_slots, load_failures=side.counters.load_failures,
+               held_reads=len(jobs.held_read_slots), abandoned_reads=sum(jobs.abandoned_reads.values()))
     try:
         side.check()
         out["check"] = "ok"

@@ -188,3 +188,36 @@ def test_a_store_lands_only_when_every_worker_reports_it_done(reports):
     landed = first and second
     assert [tier.is_ready(k) if tier.has(k) else None for k in keys] == ([True, True] if landed else [None, None])
     assert tier.used_slots() == (2 if landed else 0)
+
+
+@pytest.mark.parametrize("settled_first", [False, True])
+def test_an_abandoned_read_back_holds_its_slots_until_it_returns(settled_first):
+    """A load whose read-back a worker abandoned at load_timeout_s fails; the CPU-tier slots the late read may still
+    write leave the index but stay taken (no store gets them) until the worker reports the read returned. A read
+    that returned before the failure reached the scheduler holds nothing."""
+    from offload_connector.metadata import TransferJob
+    from offload_connector.scheduler.events import TierEvents
+    from offload_connector.scheduler.jobs import JobBook
+    from offload_connector.scheduler.tier_index import TierIndex
+    tier = TierIndex(3, [10])
+    book = JobBook(tier, TierEvents(False, []), reporters=1)
+    keys = [(0, b"a"), (0, b"b")]
+    slots = [s for _, s in tier.begin_store(keys)]  # reserved for the read-back (being written, not readable)
+    job = TransferJob.from_columns(book.new_job_id(), "r", 1, [0, 0], [5, 6], slots, remote_keys=tuple(keys),
+                                   remote_slots=tuple(slots))
+    book.add_load(job, keys, 32, promoted=keys)
+    book.reads_abandoned([job.job_id])
+    if settled_first:
+        book.reads_settled([job.job_id])
+    book.finish_load("r", ok=False)
+    assert not any(tier.has(k) for k in keys)
+    if settled_first:
+        assert tier.stats().retired_slots == 0 and not book.held_read_slots
+        assert len(tier.begin_store([(0, b"x"), (0, b"y"), (0, b"z")])) == 3
+        return
+    assert tier.stats().retired_slots == 2 and book.held_read_slots == {job.job_id: tuple(slots)}
+    got = tier.begin_store([(0, b"x"), (0, b"y"), (0, b"z")])
+    assert len(got) == 1 and got[0][1] not in slots  # the third slot only
+    book.reads_settled([job.job_id])
+    assert tier.stats().retired_slots == 0 and not book.held_read_slots and not book.abandoned_reads
+    assert sorted(s for _, s in tier.begin_store([(0, b"y"), (0, b"z")])) == sorted(slots)

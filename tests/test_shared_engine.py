@@ -137,6 +137,15 @@ def runs(request, tmp_path_factory) -> dict:
         # The same load with every fetch 2 s late: the idle engine steps thousands of times meanwhile.
         slow = run_engine({"model": model, "engine": ENGINE, "kv_transfer_config": kv, "wall_s": 300,
                            "slow_fetches": {"delay_s": 2.0}, "actions": [_gen("slow", p, GEN)]}, timeout=400)
+        # A fetch that does not return within load_timeout_s (a hung store): the load fails at the deadline and the
+        # request recomputes; the CPU-tier slots the late read still writes stay held until it returns.
+        hung_kv = dict(kv, kv_connector_extra_config={**kv["kv_connector_extra_config"], "load_timeout_s": 1.0})
+        release = str(tmp / "release-fetch")
+        hung = run_engine({"model": model, "engine": ENGINE, "kv_transfer_config": hung_kv, "wall_s": 300,
+                           "slow_fetches": {"delay_s": 240.0, "release_file": release}, "actions": [
+                               _gen("hung", p, GEN), {"op": "state"}, {"op": "touch", "path": release},
+                               {"op": "settle_reads", "seconds": 120}, {"op": "drain"}, {"op": "state"}]},
+                          timeout=400)
         # Another namespace is another pool: nothing to load.
         other = dict(kv, kv_connector_extra_config={**kv["kv_connector_extra_config"],
                                                     "remote_options": {**store.opts, "namespace": "elsewhere"}})
@@ -162,7 +171,7 @@ def runs(request, tmp_path_factory) -> dict:
     finally:
         store.close()
     return {"a": a, "b": b, "c": c, "keys_after_a": keys_after_a, "planted": (planted, planted_again),
-            "fooled": fooled, "guarded": guarded, "slow": slow}
+            "fooled": fooled, "guarded": guarded, "slow": slow, "hung": hung}
 
 
 @pytest.fixture(scope="module")
@@ -198,6 +207,25 @@ def test_a_slow_fetch_is_waited_for_by_time_not_by_idle_steps(runs: dict, base: 
     assert out["external_tokens"] == PREFIX
     assert act["metrics"]["vllm:offload_connector_loaded_tokens"] == PREFIX
     assert out["token_ids"] == _action(base, "base")["outputs"]["base"]["token_ids"]
+
+
+def test_a_fetch_that_never_returns_fails_the_load_at_the_deadline(runs: dict, base: dict) -> None:
+    """A shared-tier fetch that outlives load_timeout_s (1 s here; the fetch hangs until the request has finished)
+    does not hold its request: the load is reported failed at the deadline and the request recomputes with the reference output. The
+    CPU-tier slots the late fetch still writes stay out of use until it returns, then are free again."""
+    res = runs["hung"]
+    act = _action(res, "hung")
+    assert not act["stalled"] and not act["unfinished"], act
+    out = act["outputs"]["hung"]
+    assert out["external_tokens"] == PREFIX  # granted, then failed at the deadline
+    assert act["metrics"].get("vllm:offload_connector_load_timeouts", 0) == 1, act["metrics"]
+    assert act["metrics"].get("vllm:offload_connector_load_failures", 0) == 1, act["metrics"]
+    assert act["metrics"].get("vllm:offload_connector_loaded_tokens", 0) == 0, act["metrics"]
+    assert out["token_ids"] == _action(base, "base")["outputs"]["base"]["token_ids"]
+    during, after = [a["scheduler"] for a in res["actions"] if a["op"] == "state"]
+    assert during["held_reads"] == 1 and during["retired_slots"] > 0, during  # the late fetch's slots are held
+    assert (after["held_reads"], after["abandoned_reads"], after["retired_slots"]) == (0, 0, 0), after
+    assert after["check"] == "ok" and (after["pinned_entries"], after["loads"]) == (0, 0), after
 
 
 def test_engine_a_wrote_through_and_a_separate_namespace_shares_nothing(runs: dict, base: dict) -> None:

@@ -216,10 +216,13 @@ class OffloadScheduler:
         self.stats.record_stall_state(self.watchdog.stalled, detected)
 
     def update_connector_output(self, output: Any) -> None:
+        meta = getattr(output, "kv_connector_worker_meta", None)
+        if isinstance(meta, OffloadWorkerMetadata):  # before the failures they explain: their slots stay held
+            self.jobs.reads_abandoned(meta.reads_abandoned)
         for rid in output.finished_recving or ():
             self._finish_load(rid, ok=rid not in (getattr(output, "failed_recving", None) or ()))
-        meta = getattr(output, "kv_connector_worker_meta", None)
         if isinstance(meta, OffloadWorkerMetadata):
+            self.jobs.reads_settled(meta.reads_settled)
             for job_id in meta.stores_done:
                 self._finish_store(job_id, ok=True)
             for job_id in meta.stores_failed:

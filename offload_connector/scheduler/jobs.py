@@ -7,8 +7,9 @@ under a copy. It never decides anything: admission and store planning hand it jo
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Callable, Hashable, Mapping
+from typing import Any, Callable, Hashable, Iterable, Mapping
 
 from offload_connector.metadata import TransferJob
 from offload_connector.scheduler.events import TierEvents
@@ -61,6 +62,10 @@ class JobBook:
         # they finish they release their slots instead of publishing or unpinning entries.
         self.retired_store_slots: dict[int, tuple[int, ...]] = {}
         self.retired_loads: set[int] = set()
+        # Failed loads whose read-back a worker abandoned (load_timeout_s): outstanding reads per job, and the
+        # CPU-tier slots those reads may still write, kept out of use until every one has returned.
+        self.abandoned_reads: Counter[int] = Counter()
+        self.held_read_slots: dict[int, tuple[int, ...]] = {}
         # Issued this step, handed to the workers by the next metadata.
         self.pending_loads: list[TransferJob] = []
         self.pending_stores: list[TransferJob] = []
@@ -139,9 +144,13 @@ class JobBook:
                     break
         if load is None:
             return None
+        hold = not ok and self.abandoned_reads.get(load.job.job_id, 0) > 0
         if load.job.job_id in self.retired_loads:
             self.retired_loads.discard(load.job.job_id)
-            self.tier.release_retired(load.job.host_slots)
+            if hold:
+                self.held_read_slots[load.job.job_id] = tuple(load.job.host_slots)
+            else:
+                self.tier.release_retired(load.job.host_slots)
             for callback, read in load.read_back:
                 callback(read, ok, True)
             return FinishedLoad(load, live, retired=True)
@@ -149,7 +158,10 @@ class JobBook:
             promoted = set(load.promoted)
             pinned = [k for k in load.keys if k not in promoted]
             # Read back from disk into entries reserved for them: readable CPU-tier entries now, or dropped.
-            self.tier.finish_store(load.promoted, ok=ok)
+            if hold:
+                self.held_read_slots[load.job.job_id] = self.tier.retire(load.promoted)
+            else:
+                self.tier.finish_store(load.promoted, ok=ok)
             if ok:
                 self.events.stored(load.events)
         else:
@@ -191,6 +203,22 @@ class JobBook:
                     for callback in self.on_stored:
                         callback(regular, job_id)
         return store.request_id
+
+    def reads_abandoned(self, job_ids: Iterable[int]) -> None:
+        """Workers reported these load jobs failed by load_timeout_s with reads still running (one report each)."""
+        for job_id in job_ids:
+            self.abandoned_reads[job_id] += 1
+
+    def reads_settled(self, job_ids: Iterable[int]) -> None:
+        """Abandoned reads returned (one report per worker): once all of a job's have, its held slots are free."""
+        for job_id in job_ids:
+            self.abandoned_reads[job_id] -= 1
+            if self.abandoned_reads[job_id] > 0:
+                continue
+            del self.abandoned_reads[job_id]
+            slots = self.held_read_slots.pop(job_id, None)
+            if slots is not None:
+                self.tier.release_retired(slots)
 
     def retire_in_flight(self) -> None:
         """Before `TierIndex.clear()`: remember the slots of every job in flight, which the reset retires."""

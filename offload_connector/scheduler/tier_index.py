@@ -329,6 +329,20 @@ class TierIndex:
         self.policy.clear()
         self._used_bytes = 0
 
+    def retire(self, keys: Iterable[Key]) -> tuple[int, ...]:
+        """Forget entries still being written (a failed load's read-back that has not returned): they leave the index
+        at once, but their slots stay taken until `release_retired`, so nothing is stored over a slot a late read can
+        still write. Returns the slots."""
+        slots = []
+        for key in keys:
+            entry = self._entries.get(key)
+            if entry is None or entry.ready:
+                continue
+            self._drop(key, free_slot=False)
+            self._retired[entry.slot] = self._retired.get(entry.slot, 0) + 1
+            slots.append(entry.slot)
+        return tuple(slots)
+
     def release_retired(self, slots: Iterable[int]) -> None:
         """A job issued before `clear()` finished (landed or failed): its retired slots lose one user each, and a
         slot no job uses any more is free again. Slots that were not retired are ignored."""
@@ -389,13 +403,14 @@ class TierIndex:
         else:
             self.policy.release(key)
 
-    def _drop(self, key: Key) -> None:
+    def _drop(self, key: Key, free_slot: bool = True) -> None:
         entry = self._entries.pop(key)
         if entry.spare:
             self._spare.pop(key, None)
         else:
             self.policy.removed(key)
         self._used_bytes -= entry.nbytes
-        self._free_slots.append(entry.slot)
+        if free_slot:
+            self._free_slots.append(entry.slot)
         if entry.ready and self.on_removed is not None:  # an unpublished entry was never announced
             self.on_removed(key)

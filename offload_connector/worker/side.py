@@ -11,6 +11,7 @@ frees its blocks.
 
 from __future__ import annotations
 
+import time
 from typing import Any, Callable
 
 import torch
@@ -92,7 +93,11 @@ class OffloadWorker:
         self.remote: Any = None  # worker.remote_io.WorkerRemoteTier when the shared tier is on
         self._remote_epoch = 0
         # Loads waiting for their blocks to come back from disk or the shared tier: (job, completion handles).
-        self._reading: list[tuple[TransferJob, list[Any]]] = []
+        self._reading: list[tuple[TransferJob, list[Any], float]] = []  # (job, read handles, started)
+        # Reads of loads failed by load_timeout_s that have not returned: they may still write their CPU-tier slots.
+        self._abandoned: list[tuple[TransferJob, list[Any]]] = []
+        self._reads_abandoned: list[int] = []
+        self._reads_settled: list[int] = []
         self._disk_done: list[int] = []
         self._disk_failed: list[int] = []
         self._remote_done: list[int] = []
@@ -233,7 +238,11 @@ class OffloadWorker:
             self._remote_failed.extend(failed)
             self.stats.record_remote_io(*self.remote.io_deltas())
             self.stats.record_shared_rejections("worker", self.remote.rejected())
-        for result in self.engine.poll():
+        timeouts_before = self.engine.timeouts
+        results = self.engine.poll()
+        for _ in range(self.engine.timeouts - timeouts_before):
+            self.stats.record_load_timeout()
+        for result in results:
             job = result.job
             self.stats.record_transfer(result.kind, job.num_blocks, result.nbytes, result.seconds, result.ok,
                                        count_blocks=self._count_blocks)
@@ -268,16 +277,27 @@ class OffloadWorker:
             handles += self.disk.read_back(job)
         if job.remote_keys:
             handles += self.remote.read_back(job)
-        self._reading.append((job, handles))
+        self._reading.append((job, handles, time.monotonic()))
 
     def land_reads(self) -> None:
         """Loads whose disk or shared-tier reads have all finished go to the GPU now, or fail if any read failed
         (missing, corrupt, I/O error): the request recomputes, no partial prefix is ever copied."""
         assert self.engine is not None
         still = []
-        for job, handles in self._reading:
+        now, limit = time.monotonic(), self.config.load_timeout_s
+        for job, handles, started in self._reading:
             if not all(h.done() for h in handles):
-                still.append((job, handles))
+                if limit > 0 and now - started > limit:
+                    # A read that never returns (a hung store) must not hold its request forever: fail the load now;
+                    # the scheduler keeps the CPU-tier slots the read may still write out of use until it returns.
+                    self._abandoned.append((job, handles))
+                    self._reads_abandoned.append(job.job_id)
+                    self.stats.record_load_timeout()
+                    logger.warning("offload_connector: load job %d for %s: read-back not done after %.1f s "
+                                   "(load_timeout_s); reporting it failed", job.job_id, job.request_id, now - started)
+                    self.engine.submit_failed_load(job, "read-back not done within load_timeout_s")
+                else:
+                    still.append((job, handles, started))
                 continue
             bad = next((h for h in handles if not h.ok), None)
             if bad is None:
@@ -285,6 +305,13 @@ class OffloadWorker:
             else:
                 self.engine.submit_failed_load(job, f"read-back into the CPU tier failed: {bad.error}")
         self._reading = still
+        hung = []
+        for job, handles in self._abandoned:
+            if all(h.done() for h in handles):
+                self._reads_settled.append(job.job_id)
+            else:
+                hung.append((job, handles))
+        self._abandoned = hung
 
     def transfer_results(self) -> tuple[set[str], set[str], set[str]]:
         """(finished_sending, finished_recving, failed_recving) since the last call."""
@@ -310,13 +337,14 @@ class OffloadWorker:
 
     def worker_meta(self) -> OffloadWorkerMetadata | None:
         if not (self._stores_done or self._stores_failed or self._disk_done or self._disk_failed
-                or self._remote_done or self._remote_failed):
+                or self._remote_done or self._remote_failed or self._reads_abandoned or self._reads_settled):
             return None
         meta = OffloadWorkerMetadata(stores_done=self._stores_done, stores_failed=self._stores_failed,
                                      disk_writes_done=self._disk_done, disk_writes_failed=self._disk_failed,
-                                     remote_writes_done=self._remote_done, remote_writes_failed=self._remote_failed)
+                                     remote_writes_done=self._remote_done, remote_writes_failed=self._remote_failed,
+                                     reads_abandoned=self._reads_abandoned, reads_settled=self._reads_settled)
         self._stores_done, self._stores_failed, self._disk_done, self._disk_failed = [], [], [], []
-        self._remote_done, self._remote_failed = [], []
+        self._remote_done, self._remote_failed, self._reads_abandoned, self._reads_settled = [], [], [], []
         return meta
 
     def take_stats(self) -> OffloadStats | None:
