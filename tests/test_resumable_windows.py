@@ -105,3 +105,26 @@ def test_with_spare_windows_a_roomy_tier_resumes_at_the_last_boundary():
         assert _serve(drv, "b", a[:700] + tokens(2, 300), hbs) == 688
         tier = drv.side.tier
         assert tier.evictions == 0 and tier.stats().spare_entries > 0
+
+
+def test_chunked_local_blocks_are_regular_entries_sliding_windows_spare():
+    """A chunk's windows nest (resuming anywhere in it needs its blocks from the chunk's start), so with spare windows
+    on every chunked-local block is a regular entry, like a full-attention block, while the sliding windows between
+    the rules' points are spare. A prefix shared to a point inside the first chunk resumes at the last boundary
+    below it."""
+    groups = (("full", 16, 0), ("chunked", 16, 512), ("sliding", 16, 64))
+    sched, hbs = build_custom(groups, num_blocks=400, max_num_batched_tokens=128, max_model_len=4096,
+                              kv_transfer_config=connector_config("exact", 1 << 30, window_checkpoint_tokens=0))
+    drv = SchedulerDriver(sched, TagCopier(1))
+    a = tokens(1, 1000)
+    _serve(drv, "a", a, hbs)
+    tier, layout = drv.side.tier, drv.side.layout
+    kinds = {g.index: g.kind.value for g in layout.groups}
+    stored = [k for k in tier.keys() if tier.is_ready(k)]
+    chunked = [k for k in stored if kinds[k[0]] == "chunked_local"]
+    sliding = [k for k in stored if kinds[k[0]] not in ("chunked_local", "full_attention")]
+    # Every block of the 62 full ones but the first chunk's last: a resume at 512 starts a new chunk, so no point
+    # needs it.
+    assert len(chunked) == 1000 // 16 - 1 and not any(tier.is_spare(k) for k in chunked)
+    assert sliding and any(tier.is_spare(k) for k in sliding)
+    assert _serve(drv, "b", a[:300] + tokens(2, 300), hbs) == 288

@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any, Hashable
 
 from offload_connector.config import OffloadConfig
-from offload_connector.groups import GroupInfo
+from offload_connector.groups import GroupInfo, GroupKind
 from offload_connector.metadata import TransferJob
 from offload_connector.scheduler.events import TierEvents
 from offload_connector.scheduler.jobs import JobBook
@@ -93,12 +93,15 @@ class StorePlanner:
         spare_keys: set[Hashable] = set()
         offered: set[Hashable] = set()
         for point in sorted((*points, *spare_pts)):
-            is_spare = point not in regular
-            window: list[tuple[int, int, Hashable, int]] = []
-            ends: list[tuple[int, int]] = []
+            point_spare = point not in regular
+            window: list[tuple[int, int, Hashable, int, bool]] = []
+            ends: list[tuple[int, int, bool]] = []
             for g in layout.groups:
                 if not g.recycling:
                     continue
+                # A chunk's windows nest (resuming anywhere in it needs its blocks from the chunk's start), so each
+                # chunked-local block serves every later point of its chunk, as a full-attention block does: regular.
+                is_spare = point_spare and g.kind is not GroupKind.CHUNKED
                 ids = ids_for(g)
                 rng = g.restore_range(point)
                 # A point a rule asked for hands over what no earlier such point did, exactly as without spare
@@ -110,14 +113,14 @@ class StorePlanner:
                 if ids is None or len(ids) < rng.stop or any(ids[i] == 0 for i in new):
                     window = []  # part of this window already left the GPU: the point is not restorable
                     break
-                window.extend((g.index, ids[i], keys(g.index, i), (i + 1) * g.block_size) for i in new)
-                ends.append((g.index, rng.stop))
+                window.extend((g.index, ids[i], keys(g.index, i), (i + 1) * g.block_size, is_spare) for i in new)
+                ends.append((g.index, rng.stop, is_spare))
             else:
-                for gi, stop in ends:
+                for gi, stop, is_spare in ends:
                     if not is_spare:
                         state.window_next[gi] = stop
                     state.spare_next[gi] = max(state.spare_next.get(gi, 0), stop)
-            for gi, bid, key, end_token in window:
+            for gi, bid, key, end_token, is_spare in window:
                 if key in offered:  # already in this step's store, as spare: a regular point makes it regular
                     if not is_spare:
                         spare_keys.discard(key)
