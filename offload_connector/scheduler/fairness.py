@@ -4,7 +4,9 @@ A deferred load answers `None` to vLLM, which then skips it and goes on down its
 newer requests behind it take every block that frees up and the load waits until it ages out and its prefix is
 recomputed. With `admission_policy: "fair"` the connector remembers every deferred load with the room it needs and,
 when vLLM asks about a request that arrived later (in vLLM's own queue order: arrival, or priority then arrival),
-holds that request back (`None`) unless it fits next to the oldest deferred load's need.
+holds that request back (`None`) unless it fits next to the oldest deferred load's need. vLLM 0.34's
+`--cache-aware-admission-window` reorders the head of the waiting queue by GPU-cached tokens; the fair queue keeps
+arrival order, so a request vLLM moved ahead of a deferred load is still held for it (docs/results, "vLLM 0.34").
 
 Holding every newer request from the first deferred step makes short requests wait for as long as the load waits,
 and a load that waits for long decoders (older than it) to finish is admitted no sooner for it. So a deferred load

@@ -97,7 +97,8 @@ def _vllm_version() -> str:
 def build_custom(groups: Sequence[GroupDesc], *, num_blocks: int, max_num_batched_tokens: int, max_model_len: int,
                  kv_transfer_config: Any, scheduler_cls: type | None = None, num_speculative_tokens: int = 0,
                  spec_method: str = "ngram", pipeline_parallel_size: int = 1, max_num_seqs: int | None = None,
-                 max_num_inflight_kv_loads: int | None = None) -> tuple[Any, int]:
+                 max_num_inflight_kv_loads: int | None = None,
+                 cache_aware_admission_window: int = 0) -> tuple[Any, int]:
     """A real scheduler over a hand-built layout. Returns (scheduler, hash_block_size).
 
     Without speculative decoding: the plain `Scheduler` over an async-scheduling config (the driver keeps a 2-deep
@@ -118,6 +119,10 @@ def build_custom(groups: Sequence[GroupDesc], *, num_blocks: int, max_num_batche
         if not hasattr(vc.scheduler_config, "max_num_inflight_kv_loads"):
             raise ValueError(f"max_num_inflight_kv_loads needs vLLM >= 0.34 (this is {_vllm_version()})")
         vc.scheduler_config.max_num_inflight_kv_loads = max_num_inflight_kv_loads
+    if cache_aware_admission_window:
+        if not hasattr(vc.scheduler_config, "cache_aware_admission_window"):
+            raise ValueError(f"cache_aware_admission_window needs vLLM >= 0.34 (this is {_vllm_version()})")
+        vc.scheduler_config.cache_aware_admission_window = cache_aware_admission_window
     # Pipeline parallelism changes only how many batches vLLM keeps in flight (`max_concurrent_batches`, which the
     # driver's batch queue and the ledger's in-flight bound both read); the stages' layers are not simulated.
     vc.parallel_config.pipeline_parallel_size = pipeline_parallel_size

@@ -33,6 +33,11 @@ class Scene:
     stream_first: bool = False  # the stream starts with the decoders, before "ret" arrives
     stream_output: int = 8
     max_steps: int = 6000
+    # Tokens of a prefix every small request shares (kept in vLLM's GPU prefix cache by the stream itself), and
+    # vLLM 0.34's `--cache-aware-admission-window`: with both, vLLM moves the small requests ahead of "ret" in its
+    # waiting queue (they have GPU-cached tokens, "ret" has none), which is not their arrival order.
+    stream_shared: int = 0
+    cache_aware_window: int = 0
 
 
 @dataclass
@@ -45,14 +50,14 @@ class SceneOutcome:
     drained: bool
 
 
-def build(kv_transfer_config: Any) -> tuple[Any, int]:
+def build(kv_transfer_config: Any, cache_aware_window: int = 0) -> tuple[Any, int]:
     return build_custom(GROUPS, num_blocks=600, max_num_batched_tokens=512, max_model_len=8192,
-                        kv_transfer_config=kv_transfer_config)
+                        kv_transfer_config=kv_transfer_config, cache_aware_admission_window=cache_aware_window)
 
 
 def run(kv_transfer_config: Any, scene: Scene = Scene()) -> tuple[SchedulerDriver, SceneOutcome]:
     """Runs the scene to the end (`kv_transfer_config` None: no connector, the prefix is recomputed)."""
-    sched, hbs = build(kv_transfer_config)
+    sched, hbs = build(kv_transfer_config, scene.cache_aware_window)
     drv = SchedulerDriver(sched, TagCopier(1) if kv_transfer_config is not None else None)
     prefix = tokens(1, PREFIX)
     drv.add([make_request("warm", prefix, 1, hbs)])
@@ -66,7 +71,8 @@ def run(kv_transfer_config: Any, scene: Scene = Scene()) -> tuple[SchedulerDrive
         n = len(small_arrival)
         if scene.stream_tokens and drv.step_no % scene.stream_every == 0 and n < scene.stream_count:
             rid = f"small{n}"
-            drv.add([make_request(rid, tokens(100 + n, scene.stream_tokens), scene.stream_output, hbs)])
+            prompt = tokens(7, scene.stream_shared) + tokens(100 + n, scene.stream_tokens - scene.stream_shared)
+            drv.add([make_request(rid, prompt, scene.stream_output, hbs)])
             small_arrival[rid] = drv.step_no
 
     for _ in range(20):
