@@ -123,6 +123,9 @@ DEEP_JSON = "[" * 50_000 + "]" * 50_000  # one argv string stays under Linux's 1
 CASES: list[tuple[str, Any, str]] = [
     # ---- replay: numbers
     ("replay --block-size 0", _sub("replay", "--block-size", "0"), "--block-size"),
+    ("replay --max-num-inflight-kv-loads 0", _sub("replay", "--max-num-inflight-kv-loads", "0"), "allowed: 1 to"),
+    ("replay --max-num-inflight-kv-loads nan", _sub("replay", "--max-num-inflight-kv-loads", "nan"),
+     "not an integer"),
     ("replay --block-size 48", _sub("replay", "--block-size", "48"), "power of two"),
     ("replay --block-size 4096", _sub("replay", "--block-size", "4096"), "allowed: 1 to 1,024"),
     ("replay --block-size x", _sub("replay", "--block-size", "x"), "not an integer"),
@@ -542,3 +545,15 @@ def test_checks_that_need_vllm_and_valid_runs(files: dict[str, str], tmp_path: P
     assert all(r["requests_completed"] == 2 for r in data["results"])
     assert Path(png).stat().st_size > 10_000 and json.loads(Path(sj).read_text())["ok"]
     assert time.monotonic() - t0 < 900
+
+
+def test_the_inflight_load_cap_needs_vllm_034() -> None:
+    """`--max-num-inflight-kv-loads` exists from vLLM 0.34: before it, one line and exit 2 (checked before the run)."""
+    from offload_bench.sim.vllm_compat import has_inflight_load_cap
+    if has_inflight_load_cap():
+        pytest.skip("vLLM 0.34 takes the cap (tests/test_replay_* run it)")
+    proc = subprocess.run(_sub("replay", "--max-num-inflight-kv-loads", "2", "--no-progress"), cwd=ROOT,
+                          capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 2 and proc.stdout == "", proc
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "needs vLLM >= 0.34" in lines[0], proc.stderr

@@ -35,3 +35,27 @@ def test_the_exact_ledger_completes_it_on_034(results) -> None:
     r = results["exact"]
     assert not r.stalled and r.returning_completed == 2 and r.pool_drained
     assert r.deferrals > 0 and r.loaded_tokens == 2 * 21_888
+
+
+@needs_034
+def test_the_replay_runs_with_the_inflight_load_cap() -> None:
+    """`offload-connector replay --max-num-inflight-kv-loads N` sets vLLM 0.34's cap on the engines it builds: the
+    scheduler reads it, and a short replay with it completes every request in both columns without a stall."""
+    import json
+    import subprocess
+    import sys
+    import tempfile
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp) / "r.json"
+        proc = subprocess.run([sys.executable, "-m", "offload_bench", "replay", "--trace", "agent-tool-prefix",
+                               "--limit", "12", "--max-num-inflight-kv-loads", "1", "--connectors",
+                               "offload,vllm-offloading-patched", "--no-progress", "--json", str(out)],
+                              cwd=root, capture_output=True, text=True, timeout=900)
+        assert proc.returncode == 0, proc.stderr[-2000:]
+        data = json.loads(out.read_text())
+    assert data["config"]["max_num_inflight_kv_loads"] == 1
+    for col in data["results"]:
+        assert not col["stalled"] and col["requests_completed"] == col["requests_total"] == 12, col

