@@ -366,6 +366,10 @@ def _child(script_path: str, out_path: str) -> None:
     def trace_kv() -> None:
         import torch
         ctx = engine.vllm_config.compilation_config.static_forward_context
+        if kv_trace.get("skipped") or not all(name in ctx for g in kcc.kv_cache_groups for name in g.layer_names):
+            # TP/PP: the KV caches live in the worker processes, out of this process's reach; not traced.
+            kv_trace["skipped"] = "the KV cache is in worker processes (TP/PP)"
+            return
         for rid, req in list(sched.requests.items()):
             if "REMOTE" in req.status.name:  # its load may still be landing: its blocks are not its own yet
                 continue
