@@ -238,8 +238,9 @@ class OffloadStats(KVConnectorStats):
                 # Bytes of all workers over the time of all workers: mean bandwidth of one worker's copies.
                 out[f"{direction}_GBps"] = _sig(counters.get(nbytes_key, 0) / total / 1e9) if total > 0 else 0.0
         for key, value in counters.items():
-            if key.startswith(DEFERRAL_PREFIX) or key in (EVICTIONS, STALLS, STORE_REJECTIONS, LOAD_VERIFY_FAILURES, LOAD_TIMEOUTS,
-                                                          LOADS_REPORTED_EARLY, LOADED_TOKENS, *_DISK_COUNTERS):
+            if key.startswith(DEFERRAL_PREFIX) or key in (EVICTIONS, STALLS, STORE_REJECTIONS, LOAD_VERIFY_FAILURES,
+                                                          LOAD_TIMEOUTS, LOADS_REPORTED_EARLY, LOADED_TOKENS,
+                                                          *_DISK_COUNTERS):
                 out[key.replace(":", "_")] = value
         out.update(gauges)
         if gauges.get(TIER_CAPACITY):
