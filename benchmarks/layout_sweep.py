@@ -188,6 +188,12 @@ class UsageError(Exception):
     pass
 
 
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> None:  # one line, exit 2 (argparse would print the usage first)
+        print(f"layout_sweep: error: {message}", file=sys.stderr)
+        raise SystemExit(2)
+
+
 def _pick(text: str | None, allowed: list[str], what: str) -> list[str]:
     if text is None:
         return allowed
@@ -199,7 +205,7 @@ def _pick(text: str | None, allowed: list[str], what: str) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = _Parser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, default=Path("results/sweep"))
     p.add_argument("--layouts", help="comma-separated layout names (default: all; see --list)")
     p.add_argument("--workloads", help=f"comma-separated (default: all of {', '.join(WORKLOADS)})")
