@@ -3,6 +3,7 @@ what their names say, the bounds flag what the issue's criteria exclude, the sum
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import subprocess
 import sys
@@ -11,8 +12,10 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-import layout_sweep as sweep  # noqa: E402
+_spec = importlib.util.spec_from_file_location("layout_sweep", ROOT / "benchmarks" / "layout_sweep.py")
+sweep = importlib.util.module_from_spec(_spec)
+sys.modules["layout_sweep"] = sweep  # dataclasses look their module up while the class is built
+_spec.loader.exec_module(sweep)
 
 
 @pytest.mark.parametrize("layout", sweep.LAYOUTS, ids=lambda lay: lay.name)
