@@ -7,7 +7,10 @@ With `--replay-json` (results of `offload-connector replay --engines 2 ... --jso
 not bytes, and charges no check) the cost per shared-tier fetch of that replay is estimated from these rates: its
 bytes fetched per fetch, checked with the CRC alone and with the tag, against the fetch time the replay charged.
 
-    .venv-vllm033/bin/python benchmarks/mac_bench.py [--sizes 32Ki,256Ki,1Mi,4Mi] [--seconds 1] [--json F]
+With `--disk DIR` the disk tier (`disk_secret_file`) is measured end to end as well: `DiskStore` writing and reading
+one slot at a time in DIR with and without a MAC key (page cache and buffered I/O, so the check is what differs).
+
+    .venv-vllm033/bin/python benchmarks/mac_bench.py [--sizes 32Ki,256Ki,1Mi,4Mi] [--seconds 1] [--json F] [--disk DIR]
 
 Exit status 2 with one line for a bad argument.
 """
@@ -24,6 +27,7 @@ from typing import Any
 from offload_connector.remote import base
 
 KEY = base.derive_mac_key(b"benchmark secret, 32 bytes long!")
+DISK_KEY = b"k" * 32
 
 
 def parse_size(text: str) -> int:
@@ -62,6 +66,37 @@ def measure(size: int, seconds: float) -> dict[str, Any]:
     return row
 
 
+def measure_disk(size: int, seconds: float, directory: str) -> dict[str, Any]:
+    """DiskStore round trips of one `size`-byte slot (write a new key, read it back), without and with a MAC key."""
+    import shutil
+    import numpy as np
+    from offload_connector.disk import DiskFingerprint
+    from offload_connector.disk.format import HEADER_BYTES, slot_stride
+    from offload_connector.disk.store import DiskStore
+
+    fp = DiskFingerprint("bench", (size,), (16,), "bf16", size)
+    data = np.frombuffer(os.urandom(size), dtype=np.uint8)
+    out = np.empty(size, dtype=np.uint8)
+    row: dict[str, Any] = {}
+    for name, key in (("crc", None), ("mac", DISK_KEY)):
+        path = os.path.join(directory, f"mac-bench-{size}-{name}")
+        shutil.rmtree(path, ignore_errors=True)
+        with DiskStore(path, fp, HEADER_BYTES + 64 * slot_stride(size), direct=False, mac_key=key) as store:
+            keys = iter(range(1 << 62))
+
+            def write() -> None:
+                assert store.write((0, next(keys)), data).wait()
+            row[f"disk_write_{name}_MBps"] = rate(write, size, seconds)
+            last = (0, next(keys))
+            assert store.write(last, data).wait()
+
+            def read() -> None:
+                assert store.read(last, out).wait()
+            row[f"disk_read_{name}_MBps"] = rate(read, size, seconds)
+        shutil.rmtree(path, ignore_errors=True)
+    return row
+
+
 def per_fetch(path: str, rows: list[dict[str, Any]]) -> list[str]:
     """Lines estimating what the check costs per shared-tier fetch of a router replay, at the measured read rates of
     the block size closest to that replay's blocks."""
@@ -92,6 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--seconds", type=float, default=1.0, help="time per measurement")
     p.add_argument("--json", default=None, help="write the rows here")
     p.add_argument("--replay-json", nargs="*", default=[], help="router replay results to estimate per fetch")
+    p.add_argument("--disk", default=None, help="also measure the disk tier's slots in this directory")
     args = p.parse_args(argv)
     try:
         sizes = [parse_size(x.strip()) for x in args.sizes.split(",") if x.strip()]
@@ -107,13 +143,26 @@ def main(argv: list[str] | None = None) -> int:
         if not Path(path).is_file():
             print(f"mac_bench: --replay-json {path}: not a file", file=sys.stderr)
             return 2
+    if args.disk is not None and not os.path.isdir(args.disk):
+        print(f"mac_bench: --disk {args.disk!r}: not a directory", file=sys.stderr)
+        return 2
     rows = [measure(s, args.seconds) for s in sizes]
+    if args.disk is not None:
+        for r in rows:
+            r.update(measure_disk(r["block_bytes"], args.seconds, args.disk))
     print(f"MB/s, one thread, {os.cpu_count()} CPUs (as RemoteStore.put / get frame and check values)")
     print("| block | write, CRC | write, CRC + tag | read, CRC | read, tag |")
     print("|---:|---:|---:|---:|---:|")
     for r in rows:
         print(f"| {r['block_bytes'] >> 10} KiB | {r['write_crc_MBps']:,.0f} | {r['write_mac_MBps']:,.0f} | "
               f"{r['read_crc_MBps']:,.0f} | {r['read_mac_MBps']:,.0f} |")
+    if args.disk is not None:
+        print(f"\nDisk tier in {args.disk}, MB/s, one slot per call (DiskStore.write / read, buffered I/O)")
+        print("| block | write, CRC | write, CRC + tag | read, CRC | read, tag |")
+        print("|---:|---:|---:|---:|---:|")
+        for r in rows:
+            print(f"| {r['block_bytes'] >> 10} KiB | {r['disk_write_crc_MBps']:,.0f} | {r['disk_write_mac_MBps']:,.0f} | "
+                  f"{r['disk_read_crc_MBps']:,.0f} | {r['disk_read_mac_MBps']:,.0f} |")
     for path in args.replay_json:
         try:
             for line in per_fetch(path, rows):

@@ -47,7 +47,9 @@ class OffloadConfig:
     # Sliding-window and chunked-local blocks are stored for the windows a later request can resume from: the last
     # full block of every prompt, every boundary after it, prefixes found shared with an earlier request, and every
     # this-many tokens inside a prompt (rounded down to a multiple of every group's block size; 0: no checkpoints).
-    window_checkpoint_tokens: int = 8192
+    # None ("auto"): derived from the layout (`scheduler.windows.checkpoint_spacing`): a checkpoint's windows take at
+    # most the host bytes of the full-attention KV between two checkpoints.
+    window_checkpoint_tokens: int | None = None
     # Every other window too, as spare entries: they take only CPU-tier room nobody else uses (a free slot or another
     # spare entry's) and are evicted before anything else, so a tier with room resumes a prefix at any block boundary
     # while a full one holds what it held without them (scheduler/tier_index.py).
@@ -106,6 +108,11 @@ class OffloadConfig:
     # layout, so a restarted engine serves what it stored before and a different model never reads it.
     disk_path: str | None = None
     disk_bytes: int = 0
+    # Who may write the disk tier: a file holding a secret (at least 16 bytes; never inline). Every slot is tagged
+    # with an HMAC-SHA256 keyed by it (fingerprint, key, length and bytes) and a slot whose tag does not verify is a
+    # miss, so a block planted in the directory is never served. Without it the tier trusts whoever can write the
+    # directory (created owner-only) and checks CRC-32s. Set it when the directory is shared or on network storage.
+    disk_secret_file: str | None = None
     # The shared tier (off unless set): a store several engines share, "redis" or "mooncake", and its options (a
     # JSON object: e.g. {"url": "redis://host:6379/0"} or {"master_server_address": "host:50051"}; see
     # offload_connector/remote). Like the disk tier it is written through and read back into the CPU tier; a block is
@@ -144,8 +151,17 @@ class OffloadConfig:
                 _positive_int("fair_hold_after_steps", value)
         if "window_checkpoint_tokens" in extra:
             value = extra.pop("window_checkpoint_tokens")
-            values["window_checkpoint_tokens"] = 0 if value == 0 and not isinstance(value, bool) else \
-                _positive_int("window_checkpoint_tokens", value)
+            if isinstance(value, str) and value == "auto" or value is None:
+                values["window_checkpoint_tokens"] = None
+            elif value == 0 and not isinstance(value, bool):
+                values["window_checkpoint_tokens"] = 0
+            else:
+                try:
+                    values["window_checkpoint_tokens"] = _positive_int("window_checkpoint_tokens", value)
+                except ConfigError:
+                    raise ConfigError(f"kv_connector_extra_config: 'window_checkpoint_tokens' must be a positive "
+                                      f"integer, 0 (no checkpoints) or \"auto\" (derived from the layout); got "
+                                      f"{value!r}") from None
         if "eviction" in extra:
             try:
                 values["eviction"] = check_policy_spec(extra.pop("eviction"))
@@ -193,8 +209,12 @@ class OffloadConfig:
         if values.get("remote_options") and values.get("remote_store") is None:
             raise ConfigError("kv_connector_extra_config: 'remote_options' needs 'remote_store' (one of "
                               "['mooncake', 'redis'])")
-        if "remote_secret_file" in extra:
-            values["remote_secret_file"] = _secret_file(extra.pop("remote_secret_file"))
+        for key in ("remote_secret_file", "disk_secret_file"):
+            if key in extra:
+                values[key] = _secret_file(key, extra.pop(key))
+        if values.get("disk_secret_file") is not None and values.get("disk_path") is None:
+            raise ConfigError("kv_connector_extra_config: 'disk_secret_file' needs the disk tier ('disk_path' and "
+                              "'disk_bytes')")
         if "remote_allow_unauthenticated" in extra:
             values["remote_allow_unauthenticated"] = _bool("remote_allow_unauthenticated",
                                                            extra.pop("remote_allow_unauthenticated"))
@@ -400,15 +420,15 @@ def _disk_path(value: Any) -> str | None:
     return os.path.abspath(os.path.expanduser(value))
 
 
-def _secret_file(value: Any) -> str | None:
+def _secret_file(key: str, value: Any) -> str | None:
     if value is None:
         return None
     if not isinstance(value, str) or not value.strip() or "\x00" in value:
-        raise ConfigError(f"kv_connector_extra_config: 'remote_secret_file' must be the path of a file holding the "
-                          f"shared tier's secret (a non-empty string without NUL bytes) or null; got {value!r}")
+        raise ConfigError(f"kv_connector_extra_config: '{key}' must be the path of a file holding the tier's secret "
+                          f"(a non-empty string without NUL bytes) or null; got {value!r}")
     path = os.path.abspath(os.path.expanduser(value))
-    from offload_connector.remote.secret import read_secret
-    read_secret(path)  # at the edge: a missing, unreadable or short file is one ConfigError now, not at first use
+    from offload_connector.tier_auth import read_secret
+    read_secret(path, key)  # at the edge: a missing, unreadable or short file is one ConfigError now, not at first use
     return path
 
 

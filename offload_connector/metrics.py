@@ -55,7 +55,8 @@ labels):
 | `vllm:offload_connector_shared_tier_read_bytes_total` | counter | | worker | bytes fetched from the shared tier, summed over workers |
 | `vllm:offload_connector_shared_tier_failures_total` | counter | | worker | shared-tier puts or gets that failed or were rejected (missing, another model, corrupt) |
 | `vllm:offload_connector_shared_tier_rejected_blocks_total` | counter | `reason` | worker, scheduler (markers) | values read from the shared tier and refused, by reason (`remote.base.REJECT_REASONS`): `mac` and `unauthenticated` are values written without the secret (forged, or by an engine without `remote_secret_file`); each is a miss |
-| `vllm:offload_connector_disk_tier_io_failures_total` | counter | | worker | disk reads or writes that failed on a worker (I/O error, corrupt slot); a failed read fails its load |
+| `vllm:offload_connector_disk_tier_io_failures_total` | counter | | worker | disk reads or writes that failed on a worker (I/O error, corrupt or rejected slot); a failed read fails its load |
+| `vllm:offload_connector_disk_tier_rejected_blocks_total` | counter | `reason` | worker | disk-tier slots dropped, by reason (`corrupt`, `unauthenticated`, `mac`): `mac` and `unauthenticated` are slots whose tag does not verify or is missing under `disk_secret_file` (planted, moved, or written without the secret); each read of one fails its load |
 
 Deferral reasons (a closed set, so the `reason` label stays bounded; add a reason here before recording it):
 
@@ -106,9 +107,14 @@ DISK_WRITTEN_BYTES, DISK_READ_BYTES, DISK_IO_FAILURES = "disk_tier_written_bytes
     "disk_tier_io_failures"
 DEFERRAL_PREFIX = "deferrals:"
 SHARED_REJECTED_PREFIX = "shared_rejected:"
+DISK_REJECTED_PREFIX = "disk_rejected:"
 # remote.base.REJECT_REASONS, repeated so that this module imports nothing of the tiers (tests check they agree).
 SHARED_REJECT_REASONS: tuple[str, ...] = ("format", "version", "fingerprint", "key", "corrupt", "length",
                                           "unauthenticated", "mac")
+# disk.store.DiskStats' drop counters, by the same names.
+DISK_REJECT_REASONS: tuple[str, ...] = ("corrupt", "unauthenticated", "mac")
+_REJECTIONS = {"shared": (SHARED_REJECTED_PREFIX, SHARED_REJECT_REASONS),
+               "disk": (DISK_REJECTED_PREFIX, DISK_REJECT_REASONS)}
 # Histogram sample keys.
 LOAD_SECONDS, STORE_SECONDS = "load_seconds", "store_seconds"
 # Gauge keys.
@@ -268,7 +274,7 @@ class OffloadStatsSink:
         self._rejections_seen = 0
         self._disk_seen = (0, 0, 0)
         self._remote_seen = (0, 0, 0)
-        self._rejected_seen: dict[tuple[str, str], int] = {}
+        self._rejected_seen: dict[tuple[str, str, str], int] = {}
 
     def record_transfer(self, direction: Direction, blocks: int, nbytes: int, seconds: float, ok: bool = True,
                         *, count_blocks: bool = True) -> None:
@@ -327,16 +333,18 @@ class OffloadStatsSink:
             self._stats._add(REMOTE_READ_BYTES, read_bytes)
             self._stats._add(REMOTE_FAILURES, failures)
 
-    def record_shared_rejections(self, source: str, totals: dict[str, int]) -> None:
-        """A shared-tier store's cumulative rejections by reason (`RemoteStats.rejected`); `source` names the store
-        ("worker", "markers") so each is sent as its own deltas. Reasons outside the closed set are not recorded."""
+    def record_rejections(self, tier: str, source: str, totals: dict[str, int]) -> None:
+        """A second tier's cumulative rejections by reason (`tier` "shared": `RemoteStats.rejected`; "disk":
+        `WorkerDiskTier.rejected`); `source` names the store ("worker", "markers") so each is sent as its own deltas.
+        Reasons outside the tier's closed set are not recorded."""
+        prefix, reasons = _REJECTIONS[tier]
         with self._lock:
             for reason, now in totals.items():
-                if reason not in SHARED_REJECT_REASONS:
+                if reason not in reasons:
                     continue
-                seen = self._rejected_seen.get((source, reason), 0)
-                self._stats._add(SHARED_REJECTED_PREFIX + reason, now - seen if now >= seen else now)
-                self._rejected_seen[(source, reason)] = now
+                seen = self._rejected_seen.get((tier, source, reason), 0)
+                self._stats._add(prefix + reason, now - seen if now >= seen else now)
+                self._rejected_seen[(tier, source, reason)] = now
 
     def record_disk_io(self, written_bytes: int, read_bytes: int, failures: int) -> None:
         """Worker side: bytes this worker's disk tier wrote and read since the last call, and failed I/Os."""

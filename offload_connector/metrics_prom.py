@@ -73,6 +73,13 @@ _SHARED_REJECTED = ("shared_tier_rejected_blocks_total", (
     "Values read from the shared tier and refused, by reason: mac / unauthenticated (written without the secret: "
     "forged, or by an engine without remote_secret_file), corrupt, key, fingerprint, version, format, length. "
     "Each is a miss; the request recomputes."))
+_DISK_REJECTED = ("disk_tier_rejected_blocks_total", (
+    "Disk-tier slots dropped on a worker, by reason: mac / unauthenticated (a tag that does not verify, or none, "
+    "with disk_secret_file: a planted or moved slot), corrupt (a record or data CRC that fails: torn or damaged). "
+    "A dropped slot read for a load fails that load; the request recomputes."))
+_LABELLED = ((_DEFERRALS, m.DEFERRAL_PREFIX, m.DEFERRAL_REASONS),
+             (_SHARED_REJECTED, m.SHARED_REJECTED_PREFIX, m.SHARED_REJECT_REASONS),
+             (_DISK_REJECTED, m.DISK_REJECTED_PREFIX, m.DISK_REJECT_REASONS))
 _GAUGES: dict[str, tuple[str, str]] = {
     m.TIER_USED: ("cpu_tier_used_blocks", "CPU-tier slots in use (one KV block of one group each)."),
     m.TIER_CAPACITY: ("cpu_tier_capacity_blocks", "CPU-tier slots in all."),
@@ -92,8 +99,8 @@ _HISTOGRAMS: dict[str, tuple[str, str]] = {
 
 # Every metric name this module registers, for tests and for whoever checks /metrics.
 METRIC_NAMES: tuple[str, ...] = tuple(
-    PREFIX + name for name, _ in (*_COUNTERS.values(), _DEFERRALS, _SHARED_REJECTED, *_GAUGES.values(), _USAGE,
-                                  *_HISTOGRAMS.values()))
+    PREFIX + name for name, _ in (*_COUNTERS.values(), *(spec for spec, _, _ in _LABELLED), *_GAUGES.values(),
+                                  _USAGE, *_HISTOGRAMS.values()))
 
 
 class OffloadPromMetrics(KVConnectorPromMetrics):
@@ -108,16 +115,10 @@ class OffloadPromMetrics(KVConnectorPromMetrics):
         for key, (name, doc) in _COUNTERS.items():
             metric = self._counter_cls(name=PREFIX + name, documentation=doc, labelnames=labelnames)
             self._counters[key] = {idx: metric.labels(*values) for idx, values in engines}
-        deferrals = self._counter_cls(name=PREFIX + _DEFERRALS[0], documentation=_DEFERRALS[1],
-                                      labelnames=[*labelnames, "reason"])
-        for reason in m.DEFERRAL_REASONS:
-            self._counters[m.DEFERRAL_PREFIX + reason] = {
-                idx: deferrals.labels(*values, reason) for idx, values in engines}
-        rejected = self._counter_cls(name=PREFIX + _SHARED_REJECTED[0], documentation=_SHARED_REJECTED[1],
-                                     labelnames=[*labelnames, "reason"])
-        for reason in m.SHARED_REJECT_REASONS:
-            self._counters[m.SHARED_REJECTED_PREFIX + reason] = {
-                idx: rejected.labels(*values, reason) for idx, values in engines}
+        for (name, doc), prefix, reasons in _LABELLED:  # one child per engine and reason
+            metric = self._counter_cls(name=PREFIX + name, documentation=doc, labelnames=[*labelnames, "reason"])
+            for reason in reasons:
+                self._counters[prefix + reason] = {idx: metric.labels(*values, reason) for idx, values in engines}
         self._gauges: dict[str, dict[int, Any]] = {}
         # "mostrecent": with several API-server processes the freshest snapshot is the value; vLLM's own gauges
         # do the same.

@@ -9,7 +9,7 @@ def test_defaults_and_suffixes():
     assert OffloadConfig.from_extra_config({"cpu_bytes": "512Mi"}).cpu_bytes == 512 * 2**20
     assert OffloadConfig.from_extra_config({"cpu_bytes": "64G"}).cpu_bytes == 64 * 2**30  # vLLM: upper case is binary
     assert OffloadConfig.from_extra_config({"cpu_bytes": 1024.0}).cpu_bytes == 1024
-    assert cfg.admission_policy == "fair" and cfg.window_checkpoint_tokens == 8192 and cfg.fair_hold_after_steps == 1000
+    assert cfg.admission_policy == "fair" and cfg.window_checkpoint_tokens is None and cfg.fair_hold_after_steps == 1000
     assert OffloadConfig.from_extra_config({"cpu_bytes": 1, "window_checkpoint_tokens": 0}).window_checkpoint_tokens == 0
 
 

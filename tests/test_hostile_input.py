@@ -55,6 +55,7 @@ def files(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str]:
 
     put("good.jsonl", GOOD)
     put("short-secret", "only 10 b\n")
+    put("good-secret", "a secret of thirty-two bytes ...\n")
     put("binary.jsonl", b"\x89PNG\r\n\x1a\n" + bytes(range(256)) * 40)  # a PNG header
     put("fake.jsonl.gz", b"\x1f\x8b\x08\x00" + b"not really gzip" * 10)
     put("plain-named.gz", GOOD)
@@ -205,6 +206,14 @@ CASES: list[tuple[str, Any, str]] = [
     # ---- replay: the tiers' keys (checked at the edge, before vLLM)
     ("replay --offload-config disk_path with a NUL byte",
      _sub("replay", "--offload-config", '{"disk_path": "/tmp/a\\u0000b", "disk_bytes": "1Gi"}'), "NUL byte"),
+    ("replay --offload-config disk_secret_file <10 bytes>",
+     _sub("replay", "--offload-config", '{"disk_path": "{outdir}/d", "disk_bytes": "1Gi", '
+                                        '"disk_secret_file": "{short-secret}"}'), "needs at least 16"),
+    ("replay --offload-config disk_secret_file with a NUL byte",
+     _sub("replay", "--offload-config", '{"disk_path": "{outdir}/d", "disk_bytes": "1Gi", '
+                                        '"disk_secret_file": "a\\u0000b"}'), "without NUL bytes"),
+    ("replay --offload-config disk_secret_file without the disk tier",
+     _sub("replay", "--offload-config", '{"disk_secret_file": "{good-secret}"}'), "needs the disk tier"),
     ("replay --offload-config remote_store without a secret",
      _sub("replay", "--offload-config", '{"remote_store": "redis", "remote_options": {"url": "redis://h:1/0"}}'),
      "needs 'remote_secret_file'"),

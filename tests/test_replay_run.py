@@ -157,7 +157,10 @@ def test_ours_resumes_a_prefix_shared_up_to_a_point_inside_an_earlier_prompt() -
     spare windows the first resumes at the 8,192-token checkpoint; it computes through 9,216 and stores the window
     there (a junction), so the second resumes at 9,216 (from the GPU prefix cache, which keeps the window at the
     junction too). With them (the default) the same under pressure; with room both resume at 9,216 from the tier."""
-    out = run_replay(_mid_prompt(), _cfg(("offload", "none"), offload_extra=(("spare_windows", False),)))
+    # Checkpoints every 8,192 tokens, as set (the spacing derived for this layout is 10,240: no checkpoint below
+    # the shared 9,216 at all, which test_derived_spacing_resumes_at_the_junction_the_first_request_left covers).
+    pinned = (("window_checkpoint_tokens", 8192),)
+    out = run_replay(_mid_prompt(), _cfg(("offload", "none"), offload_extra=(("spare_windows", False), *pinned)))
     res = {r.result.connector: r.result for r in out.runs}
     assert not res["offload"].stalled and res["offload"].requests_completed == 13
     # vLLM takes the junction as the first one's `shared_prefix_boundary` and caches the window at 9,216 in the GPU
@@ -167,6 +170,18 @@ def test_ours_resumes_a_prefix_shared_up_to_a_point_inside_an_earlier_prompt() -
     # spare windows of the first prompt are evicted before anything else and nothing changes; in a tier with room for
     # the whole trace both resume at 9,216 from the tier (no junction forms, so the GPU keeps no window there).
     for cpu_bytes, loaded in ((40 * 2**30, 8192), (160 * 2**30, 2 * 9216)):
-        spare = run_replay(_mid_prompt(), _cfg(("offload",), cpu_bytes=cpu_bytes)).runs[0].result
+        spare = run_replay(_mid_prompt(), _cfg(("offload",), cpu_bytes=cpu_bytes, offload_extra=pinned)).runs[0].result
         assert not spare.stalled and spare.tokens_loaded_from_cpu == loaded, cpu_bytes
+    assert res["offload"].tokens_recomputed < res["none"].tokens_recomputed
+
+
+def test_derived_spacing_resumes_at_the_junction_the_first_request_left() -> None:
+    """The same trace with the spacing derived from Gemma 4 31B's layout (10,240 tokens: five 1,024-token windows
+    weigh as much as 10,240 tokens of its full-attention KV) and no spare windows: no checkpoint lies below the shared
+    9,216 tokens, so the first returning request finds the full-attention prefix without a window and recomputes it,
+    marking the junction; the second resumes there (from the GPU prefix cache, as above)."""
+    out = run_replay(_mid_prompt(), _cfg(("offload", "none"), offload_extra=(("spare_windows", False),)))
+    res = {r.result.connector: r.result for r in out.runs}
+    assert not res["offload"].stalled and res["offload"].requests_completed == 13
+    assert res["offload"].tokens_loaded_from_cpu == 0
     assert res["offload"].tokens_recomputed < res["none"].tokens_recomputed

@@ -198,11 +198,11 @@ def test_nul_byte_in_disk_path_and_store_options_is_one_config_error():
 def test_rejections_are_counted_by_reason_as_deltas_per_source():
     from offload_connector import metrics as m
     sink = m.OffloadStatsSink()
-    sink.record_shared_rejections("worker", {"mac": 2, "corrupt": 1, "bogus": 5})
-    sink.record_shared_rejections("markers", {"unauthenticated": 1})
+    sink.record_rejections("shared", "worker", {"mac": 2, "corrupt": 1, "bogus": 5})
+    sink.record_rejections("shared", "markers", {"unauthenticated": 1})
     counters = sink.take().data[m.COUNTERS]
     assert {k: v for k, v in counters.items() if k.startswith(m.SHARED_REJECTED_PREFIX)} == {
         "shared_rejected:mac": 2, "shared_rejected:corrupt": 1, "shared_rejected:unauthenticated": 1}
-    sink.record_shared_rejections("worker", {"mac": 3, "corrupt": 1})
+    sink.record_rejections("shared", "worker", {"mac": 3, "corrupt": 1})
     counters = sink.take().data[m.COUNTERS]
     assert counters.get("shared_rejected:mac") == 1 and not counters.get("shared_rejected:corrupt")

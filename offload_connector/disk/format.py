@@ -3,8 +3,8 @@
     offset 0               header block (HEADER_BYTES = 4 KiB): magic, format version, epoch, slot size, slot stride,
                            slot count, the fingerprint (JSON), CRC-32 of the header
     HEADER_BYTES + i*stride slot i: data region (`slot_bytes` rounded up to ALIGN), then one record block (ALIGN
-                           bytes): magic, format version, epoch, sequence number, key (group, hash), data length,
-                           CRC-32 of the data, CRC-32 of the record
+                           bytes): magic, format version, flags, epoch, sequence number, key (group, hash), data
+                           length, CRC-32 of the data, (flags bit 0) a 32-byte tag, CRC-32 of the record
 
 Everything is 4 KiB aligned so the file can be opened with O_DIRECT. A slot is valid when its record parses, its
 record CRC matches, its epoch equals the header's (a cache reset bumps the header's epoch, which invalidates every
@@ -13,10 +13,18 @@ a crash while a slot is rewritten leaves either the old record over new (or half
 and both fail a CRC. Sequence numbers order the records (LRU order after a restart; the newer of two records of one
 key wins).
 
-Plain Python (struct, zlib, json): the scheduler side may import this module without torch or numpy.
+CRCs catch accidents, not intent: whoever can write the file can plant bytes with valid CRCs under any key. A tier
+opened with a secret (`disk_secret_file`) tags every record with HMAC-SHA256(MAC key, fingerprint digest || record
+fields || data) and reads only slots whose tag verifies (`record_tag`), so a slot written without the secret, moved
+from a directory of another layout, or whose key, length or bytes were changed is never served. Records of a tier
+without a secret carry no tag (flags 0: the files of earlier builds read as such).
+
+Plain Python (struct, zlib, json, hmac): the scheduler side may import this module without torch or numpy.
 """
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import struct
 import zlib
@@ -33,9 +41,14 @@ RECORD_MAGIC = b"OCDR"
 MAX_KEY_BYTES = 1024
 
 _HEADER = struct.Struct("<8sIQQQQI")  # magic, version, epoch, slot_bytes, stride, num_slots, fingerprint json length
-_RECORD = struct.Struct("<4sHxxQQIBxHQI")  # magic, version, epoch, seq, group, key kind, key length, data length, crc
+# magic, version, flags, epoch, seq, group, key kind, key length, data length, data crc (flags: bytes that were padding
+# in the first records, so those read as untagged)
+_RECORD = struct.Struct("<4sHHQQIBxHQI")
 _CRC = struct.Struct("<I")
 KEY_BYTES, KEY_INT = 0, 1
+FLAG_TAG = 1
+TAG_BYTES = 32  # HMAC-SHA256
+MAC_KEY_PURPOSE = b"oc-disk-mac-key"  # tier_auth.derive_key: the disk tier's key differs from the shared tier's
 
 
 class DiskFormatError(ValueError):
@@ -157,14 +170,42 @@ class Record:
     key: tuple[int, Hashable]
     length: int
     crc: int
+    tag: bytes = b""  # the record's MAC (TAG_BYTES) when its tier has a secret, else empty
+
+
+def record_fields(rec: Record, tagged: bool) -> bytes:
+    """The record's fields as stored (before the tag and the record CRC): what a tag covers besides the data."""
+    group, h = rec.key
+    kind, raw = encode_key_hash(h)
+    return _RECORD.pack(RECORD_MAGIC, FORMAT_VERSION, FLAG_TAG if tagged else 0, rec.epoch, rec.seq, group, kind,
+                        len(raw), rec.length, rec.crc) + raw
+
+
+def fingerprint_digest(fp: DiskFingerprint) -> bytes:
+    """16 bytes naming the directory's model, layout and release in every tag (a tagged slot copied into a directory
+    of another layout does not verify there)."""
+    return hashlib.blake2b(fp.to_json(), digest_size=16, person=b"ocdisk-fp").digest()
+
+
+def record_tag(mac_key: bytes, fp_digest: bytes, rec: Record, data) -> bytes:
+    """HMAC-SHA256 over the fingerprint digest, the record's fields (epoch, sequence, key, length, data CRC) and the
+    data; hashlib releases the GIL on large buffers."""
+    h = hmac.new(mac_key, fp_digest, "sha256")
+    h.update(record_fields(rec, tagged=True))
+    h.update(data)
+    return h.digest()
+
+
+def tag_verifies(mac_key: bytes, fp_digest: bytes, rec: Record, data) -> bool:
+    return bool(rec.tag) and hmac.compare_digest(record_tag(mac_key, fp_digest, rec, data), rec.tag)
 
 
 def pack_record(rec: Record, into: "bytearray | memoryview | None" = None) -> bytes | None:
-    """The record block (RECORD_BYTES). With `into`, written there (zero padded) and None returned."""
-    group, h = rec.key
-    kind, raw = encode_key_hash(h)
-    body = _RECORD.pack(RECORD_MAGIC, FORMAT_VERSION, rec.epoch, rec.seq, group, kind, len(raw), rec.length,
-                        rec.crc) + raw
+    """The record block (RECORD_BYTES), tagged when `rec.tag` is set. With `into`, written there (zero padded) and
+    None returned. The record CRC covers the tag, so a torn record is corrupt, never a bad tag."""
+    if rec.tag and len(rec.tag) != TAG_BYTES:
+        raise ValueError(f"a record tag is {TAG_BYTES} bytes, got {len(rec.tag)}")
+    body = record_fields(rec, tagged=bool(rec.tag)) + rec.tag
     body += _CRC.pack(crc32(body))
     if into is None:
         return body + bytes(RECORD_BYTES - len(body))
@@ -175,20 +216,21 @@ def pack_record(rec: Record, into: "bytearray | memoryview | None" = None) -> by
 
 def unpack_record(raw) -> Record | None:
     """The record in a record block, or None if it is empty, torn or corrupt."""
-    raw = bytes(raw[:_RECORD.size + MAX_KEY_BYTES + _CRC.size])
+    raw = bytes(raw[:_RECORD.size + MAX_KEY_BYTES + TAG_BYTES + _CRC.size])
     if len(raw) < _RECORD.size or raw[:4] != RECORD_MAGIC:
         return None
-    magic, version, epoch, seq, group, kind, key_len, length, crc = _RECORD.unpack_from(raw)
-    end = _RECORD.size + key_len
+    magic, version, flags, epoch, seq, group, kind, key_len, length, crc = _RECORD.unpack_from(raw)
+    kend = _RECORD.size + key_len
+    end = kend + (TAG_BYTES if flags & FLAG_TAG else 0)
     if version != FORMAT_VERSION or key_len > MAX_KEY_BYTES or end + _CRC.size > len(raw):
         return None
     if _CRC.unpack_from(raw, end)[0] != crc32(raw[:end]):
         return None
     try:
-        h = decode_key_hash(kind, raw[_RECORD.size:end])
+        h = decode_key_hash(kind, raw[_RECORD.size:kend])
     except DiskFormatError:
         return None
-    return Record(epoch, seq, (group, h), length, crc)
+    return Record(epoch, seq, (group, h), length, crc, raw[kend:end])
 
 
 def is_blank(raw) -> bool:

@@ -9,6 +9,11 @@ lock; the I/O itself runs without it. A read whose data or record fails its chec
 handle reports `ok=False` (the destination bytes are then garbage and must not be used): a corrupt slot is never
 returned as a hit.
 
+Authentication: a store opened with `mac_key` tags every record and serves a slot only if its tag verifies
+(`format.record_tag`); a slot without a tag ("unauthenticated") or with one that does not verify ("mac") is dropped
+like a corrupt one, counted by reason and logged once per reason. Without `mac_key` the store trusts whoever can write
+its directory (it creates the directory owner-only) and checks CRCs.
+
 Durability: this is a cache. Writes are not fsynced one by one (`flush()` / `close()` do); what a crash or power loss
 leaves half written fails a CRC and is dropped, it is never returned.
 """
@@ -27,7 +32,8 @@ import numpy as np
 
 from offload_connector.disk.format import (
     ALIGN, FILE_NAME, FORMAT_VERSION, HEADER_BYTES, RECORD_BYTES, DiskFingerprint, DiskFormatError, Header, Record,
-    align_up, crc32, pack_header, pack_record, slot_stride, unpack_record,
+    align_up, crc32, fingerprint_digest, pack_header, pack_record, record_tag, slot_stride, tag_verifies,
+    unpack_record,
 )
 from offload_connector.disk.index import (
     DiskEntry, DiskIndex, Key, check_fingerprint, read_header, scan_records, slot_offset,
@@ -49,6 +55,8 @@ class DiskStats:
     misses: int  # reads of a key the tier does not hold
     evictions: int
     corrupt_dropped: int  # slots dropped for a bad data CRC or record (at open or on read)
+    rejected_unauthenticated: int  # slots dropped on read: no tag, in a store opened with a MAC key
+    rejected_mac: int  # slots dropped on read: a tag that does not verify (forged, or another secret)
     recovered_entries: int  # entries found on disk at open
     write_rejections: int  # writes refused: every slot busy being written or read
     write_errors: int
@@ -141,11 +149,13 @@ class DiskStore:
     overwriting it. Two processes cannot open one directory at once (an flock; the second gets `BlockingIOError`).
     `direct=True` opens the file with O_DIRECT and falls back to buffered I/O, logging why, where the filesystem
     refuses it. `verify_on_open=True` reads every recovered slot's data and drops those whose CRC fails (otherwise
-    that check happens on each read).
+    that check happens on each read). `mac_key` (32 bytes, e.g. `tier_auth.mac_key_from_file`): tag every record
+    written and serve only slots whose tag verifies.
     """
 
     def __init__(self, directory: str, fingerprint: DiskFingerprint, budget_bytes: int, *, io_threads: int = 2,
-                 direct: bool = True, on_mismatch: str = "error", verify_on_open: bool = False) -> None:
+                 direct: bool = True, on_mismatch: str = "error", verify_on_open: bool = False,
+                 mac_key: bytes | None = None) -> None:
         if on_mismatch not in ("error", "reset"):
             raise ValueError(f"on_mismatch must be 'error' or 'reset', got {on_mismatch!r}")
         if io_threads < 1:
@@ -161,13 +171,17 @@ class DiskStore:
                              f"({HEADER_BYTES + self.stride} bytes with header and record)")
         self.num_slots = num_slots
         self.path = os.path.join(directory, FILE_NAME)
-        os.makedirs(directory, exist_ok=True)
+        self._mac_key = mac_key
+        self._fp_digest = fingerprint_digest(fingerprint)
+        self._warned: set[str] = set()
+        os.makedirs(directory, mode=0o700, exist_ok=True)
         self._lock = threading.Lock()
         self._tls = threading.local()
         self._closed = False
         self._c = dict(bytes_written=0, bytes_read=0, writes=0, hits=0, misses=0, corrupt_dropped=0,
-                       recovered_entries=0, write_rejections=0, write_errors=0, read_errors=0)
-        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+                       rejected_unauthenticated=0, rejected_mac=0, recovered_entries=0, write_rejections=0,
+                       write_errors=0, read_errors=0)
+        self._fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o600)
         try:
             fcntl.flock(self._fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         except BlockingIOError:
@@ -318,7 +332,11 @@ class DiskStore:
         try:
             crc = crc32(src)
             bounce, rec = self._bufs()
-            pack_record(Record(epoch, seq, entry.key, length, crc), memoryview(rec))
+            record = Record(epoch, seq, entry.key, length, crc)
+            if self._mac_key is not None:
+                record = Record(epoch, seq, entry.key, length, crc, record_tag(self._mac_key, self._fp_digest,
+                                                                               record, src))
+            pack_record(record, memoryview(rec))
             fd = self._dfd
             if not self.direct or self._direct_ok(src, length):
                 data, span = src, length
@@ -389,6 +407,11 @@ class DiskStore:
             r = unpack_record(rec)
             if r is None or r.key != entry.key or r.seq != entry.seq or r.length != length or r.crc != entry.crc:
                 why = "corrupt: slot record does not match"
+            elif self._mac_key is not None:  # a verified tag covers every byte the data CRC does
+                if not r.tag:
+                    why = "unauthenticated: the slot has no tag (written without the secret)"
+                elif not tag_verifies(self._mac_key, self._fp_digest, r, dst[:length]):
+                    why = "mac: the slot's tag does not verify (forged, or written with another secret)"
             elif crc32(dst[:length]) != entry.crc:
                 why = "corrupt: data CRC mismatch"
         except OSError as exc:
@@ -398,12 +421,21 @@ class DiskStore:
                 self._c["hits"] += 1
                 self._c["bytes_read"] += length
             else:
-                self._c["corrupt_dropped" if why.startswith("corrupt") else "read_errors"] += 1
+                reason = why.split(":", 1)[0]
+                counter = {"corrupt": "corrupt_dropped", "unauthenticated": "rejected_unauthenticated",
+                           "mac": "rejected_mac"}.get(reason, "read_errors")
+                self._c[counter] += 1
                 if self.index.get(entry.key) is entry:
                     self.index.drop(entry.key)
+                # A forger can fill the file: a warning per reason, then debug lines (the counters keep the count).
+                first = counter not in self._warned and reason in ("unauthenticated", "mac")
+                self._warned.add(counter)
             self.index.unpin(entry)
         if why is not None:
-            logger.warning("offload_connector: disk tier dropped %r (slot %d): %s", entry.key, entry.slot, why)
+            if why.startswith(("unauthenticated", "mac")) and not first:
+                logger.debug("offload_connector: disk tier dropped %r (slot %d): %s", entry.key, entry.slot, why)
+            else:
+                logger.warning("offload_connector: disk tier dropped %r (slot %d): %s", entry.key, entry.slot, why)
             return False, why
         return True, None
 

@@ -22,10 +22,11 @@ does, so that CRC is not computed again on read.
 """
 from __future__ import annotations
 
-import hashlib
 import hmac
 import struct
 import zlib
+
+from offload_connector.tier_auth import MIN_SECRET_BYTES, derive_key
 
 FORMAT_VERSION = 2  # 2: a flags field and an optional HMAC-SHA256 tag (version 1 values are another key space)
 MAGIC = b"OCRV"
@@ -34,7 +35,6 @@ _HDR = struct.Struct("<4sHHH16sQI")  # magic, version, key length, flags, finger
 _CRC = struct.Struct("<I")
 FLAG_TAG = 1
 TAG_BYTES = 32  # HMAC-SHA256
-MIN_SECRET_BYTES = 16
 
 # Reasons a value read from the store is rejected (each is a miss, counted in RemoteStats.rejected).
 # format: not a value of ours; version: another format version; fingerprint: written for another model/layout/rank;
@@ -63,12 +63,13 @@ def header_bytes(key: str, tagged: bool = False) -> int:
     return _HDR.size + len(key.encode()) + _CRC.size + (TAG_BYTES if tagged else 0)
 
 
+MAC_KEY_PURPOSE = b"oc-kv-mac-key"  # the shared tier's key derivation (tier_auth.derive_key)
+
+
 def derive_mac_key(secret: bytes) -> bytes:
     """The 32-byte MAC key of an operator's secret (a file's bytes, any length >= MIN_SECRET_BYTES): engines given
     the same secret tag and verify alike; the secret itself never reaches the store or a log."""
-    if len(secret) < MIN_SECRET_BYTES:
-        raise ValueError(f"a shared-tier secret must hold at least {MIN_SECRET_BYTES} bytes; got {len(secret)}")
-    return hashlib.blake2b(secret, digest_size=32, person=b"oc-kv-mac-key").digest()
+    return derive_key(secret, MAC_KEY_PURPOSE)
 
 
 def pack_header(digest: bytes, key: str, data, tagged: bool = False) -> bytes:

@@ -7,6 +7,7 @@ The parts: `admission` (lookup, the exact ledger, fairness, issuing loads), `sto
 
 from __future__ import annotations
 
+import dataclasses
 from collections import deque
 from typing import Any
 
@@ -29,6 +30,7 @@ from offload_connector.scheduler.stores import StorePlanner
 from offload_connector.scheduler.tier_index import TierIndex
 from offload_connector.scheduler.view import SchedulerView, build_view
 from offload_connector.scheduler.watchdog import StallReport, StallWatchdog
+from offload_connector.scheduler.windows import checkpoint_spacing
 
 __all__ = ["Admission", "OffloadScheduler", "SchedulerCounters", "SchedulerView"]
 
@@ -37,8 +39,13 @@ logger = get_logger(__name__)
 
 class OffloadScheduler:
     def __init__(self, config: OffloadConfig, vllm_config: Any, kv_cache_config: Any) -> None:
+        layout = Layout.from_vllm(vllm_config, kv_cache_config)
+        derived_spacing = config.window_checkpoint_tokens is None
+        if derived_spacing:  # every part (stores, the shared tier's lookups) reads one resolved number
+            config = dataclasses.replace(config, window_checkpoint_tokens=checkpoint_spacing(layout.groups,
+                                                                                             layout.alignment))
         self.config = config
-        self.layout = layout = Layout.from_vllm(vllm_config, kv_cache_config)
+        self.layout = layout
         # Plain attributes as before the split: tests, simulations and the connector read them.
         self.max_model_len = layout.max_model_len
         self.num_spec_tokens = layout.num_spec_tokens
@@ -94,7 +101,7 @@ class OffloadScheduler:
         logger.info(
             "offload_connector scheduler side: CPU tier %s per worker = %d slots x %d bytes, shared by %d KV cache "
             "groups (one slot = one block of one group; %s); reservation %s, admission %s%s, eviction %s, "
-            "window checkpoints every %d tokens, min load %d tokens, KV cache events %s; disk tier %s; shared tier %s",
+            "window checkpoints every %d tokens%s, min load %d tokens, KV cache events %s; disk tier %s; shared tier %s",
             _fmt_bytes(config.cpu_bytes), capacity, self.slot_bytes, len(self.groups),
             "; ".join(f"group {g.index}: {g.kind.value}"
                       + (f" {g.sliding_window}" if g.sliding_window else "")
@@ -105,7 +112,8 @@ class OffloadScheduler:
             f" (a deferred load holds newer requests back while it waits for them, and all of them after "
             f"{config.fair_hold_after_steps} steps)"
             if config.admission_policy == "fair" else "",
-            config.eviction, config.window_checkpoint_tokens, config.min_load_tokens,
+            config.eviction, config.window_checkpoint_tokens, " (derived from the layout)" if derived_spacing else "",
+            config.min_load_tokens,
             "on" if self.events.enabled else "off",
             f"{config.disk_path} ({self.disk.catalog.num_slots} slots per worker, {self.disk.counters.recovered} "
             f"recovered)" if self.disk is not None else "off",
@@ -296,7 +304,7 @@ class OffloadScheduler:
         if self.remote is not None:
             r = self.remote.counters
             self.stats.record_remote_tier(r.fetched_blocks, r.write_skips, r.writes_landed)
-            self.stats.record_shared_rejections("markers", self.remote.markers.stats().rejected)
+            self.stats.record_rejections("shared", "markers", self.remote.markers.stats().rejected)
         if self.disk is not None:
             c = self.disk.counters
             self.stats.record_disk_tier(self.disk.used_slots(), self.disk.catalog.num_slots, c.evictions,

@@ -14,9 +14,11 @@ from typing import Any, Sequence
 
 from offload_connector.compat import vllm_release
 from offload_connector.disk import DiskFingerprint
+from offload_connector.disk.format import MAC_KEY_PURPOSE
 from offload_connector.disk.placement import disk_budget, disk_slots, rank_dir
 from offload_connector.log import get_logger
 from offload_connector.metadata import TierWrite, OffloadMetadata, TransferJob
+from offload_connector.tier_auth import mac_key_from_file
 
 logger = get_logger(__name__)
 
@@ -73,16 +75,19 @@ class WorkerDiskTier:
 
     @classmethod
     def open(cls, base_dir: str, disk_bytes: int, tier_slot_bytes: int, host: Any, group_bytes: Sequence[int],
-             fingerprint: DiskFingerprint, rank: DiskRank) -> "WorkerDiskTier":
+             fingerprint: DiskFingerprint, rank: DiskRank, secret_file: str | None = None) -> "WorkerDiskTier":
         from offload_connector.disk import DiskStore
 
         directory = rank_dir(base_dir, rank.dp, rank.pp, rank.tp)
         # The slot count from the scheduler's own function and slot size, so both sides count the same slots.
         n = disk_slots(disk_bytes, tier_slot_bytes)
-        store = DiskStore(directory, fingerprint, disk_budget(n, fingerprint.slot_bytes), on_mismatch="reset")
-        logger.info("offload_connector worker side: disk tier %s: %d slots x %d bytes, %d entries recovered, %s",
+        mac_key = mac_key_from_file(secret_file, "disk_secret_file", MAC_KEY_PURPOSE)
+        store = DiskStore(directory, fingerprint, disk_budget(n, fingerprint.slot_bytes), on_mismatch="reset",
+                          mac_key=mac_key)
+        logger.info("offload_connector worker side: disk tier %s: %d slots x %d bytes, %d entries recovered, %s, %s",
                     store.path, store.num_slots, fingerprint.slot_bytes, len(store),
-                    "O_DIRECT" if store.direct else f"buffered I/O ({store.direct_reason})")
+                    "O_DIRECT" if store.direct else f"buffered I/O ({store.direct_reason})",
+                    "slots tagged and verified with the secret" if mac_key is not None else "CRC-32 checks only")
         return cls(store, host, group_bytes)
 
     def _slot(self, key: Any, slot: int) -> Any:
@@ -118,10 +123,16 @@ class WorkerDiskTier:
     def io_deltas(self) -> tuple[int, int, int]:
         """(bytes written, bytes read, failed I/Os) since the last call."""
         s = self.store.stats()
-        now = (s.bytes_written, s.bytes_read, s.write_errors + s.read_errors + s.corrupt_dropped)
+        now = (s.bytes_written, s.bytes_read, s.write_errors + s.read_errors + s.corrupt_dropped
+               + s.rejected_unauthenticated + s.rejected_mac)
         delta = tuple(max(0, a - b) for a, b in zip(now, self._seen))
         self._seen = now
         return delta  # type: ignore[return-value]
+
+    def rejected(self) -> dict[str, int]:
+        """Slots dropped by reason so far (cumulative): corrupt, unauthenticated, mac."""
+        s = self.store.stats()
+        return {"corrupt": s.corrupt_dropped, "unauthenticated": s.rejected_unauthenticated, "mac": s.rejected_mac}
 
     def pending(self) -> int:
         return len(self._writes)

@@ -171,7 +171,8 @@ class OffloadWorker:
                                       rank)
         if self.config.disk_path is not None:
             self.disk = WorkerDiskTier.open(self.config.disk_path, self.config.disk_bytes, tier_slot_bytes,
-                                            self.host_tier.tensor, layout.group_bytes, fingerprint, rank)
+                                            self.host_tier.tensor, layout.group_bytes, fingerprint, rank,
+                                            secret_file=self.config.disk_secret_file)
         if self.config.remote_store is not None:
             from offload_connector.worker.remote_io import WorkerRemoteTier
             from offload_connector.remote.secret import shared_tier_mac_key
@@ -232,12 +233,13 @@ class OffloadWorker:
             self._disk_done.extend(done)
             self._disk_failed.extend(failed)
             self.stats.record_disk_io(*self.disk.io_deltas())
+            self.stats.record_rejections("disk", "worker", self.disk.rejected())
         if self.remote is not None:
             done, failed = self.remote.finished_writes()
             self._remote_done.extend(done)
             self._remote_failed.extend(failed)
             self.stats.record_remote_io(*self.remote.io_deltas())
-            self.stats.record_shared_rejections("worker", self.remote.rejected())
+            self.stats.record_rejections("shared", "worker", self.remote.rejected())
         timeouts_before = self.engine.timeouts
         results = self.engine.poll()
         for _ in range(self.engine.timeouts - timeouts_before):
