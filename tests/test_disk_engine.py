@@ -68,8 +68,10 @@ def model_dir() -> str:
 def runs(model_dir: str, tmp_path_factory) -> dict:
     disk = str(tmp_path_factory.mktemp("disk-tier"))
     a, b, c = _prompt(1), _prompt(2), _prompt(3)
-    # 48 slots of 32 KiB: one prompt's blocks (21) fit, three do not.
-    kv = connector_config(cpu_bytes=48 * 32 * 1024, disk_path=disk, disk_bytes="16Mi")
+    # 48 slots of 32 KiB: one prompt's blocks (21) fit, three do not. Checkpoints pinned far apart: the spacing
+    # derived for this model's 64-token windows (every 64 tokens) makes every window block regular, 54 blocks a
+    # prompt, which no longer fits; and a tier this small skips write-throughs while more than 16 are in flight.
+    kv = connector_config(cpu_bytes=48 * 32 * 1024, disk_path=disk, disk_bytes="16Mi", window_checkpoint_tokens=8192)
     kv["kv_load_failure_policy"] = "recompute"  # a damaged slot fails its load; vLLM recomputes the prefix
     warm = [x for i, p in enumerate((a, b, c)) for x in (_gen(f"warm{i}", p[:PREFIX + 1], 1), {"op": "drain"})]
     first = run_engine({"model": model_dir, "engine": ENGINE, "kv_transfer_config": kv, "wall_s": 500,

@@ -164,7 +164,9 @@ def test_disk_filesystem_full_mid_run(model_dir: str, baseline: dict, tmp_path) 
     mnt = tmp_path / "small-fs"
     _mount_tmpfs(mnt, "8m")
     try:
-        kv = connector_config(cpu_bytes=48 * 32 * 1024, disk_path=str(mnt / "tier"), disk_bytes="4Mi")
+        # Checkpoints pinned far apart, as in test_disk_engine.py: a 48-slot tier holds one prompt only that way.
+        kv = connector_config(cpu_bytes=48 * 32 * 1024, disk_path=str(mnt / "tier"), disk_bytes="4Mi",
+                              window_checkpoint_tokens=8192)
         kv["kv_load_failure_policy"] = "recompute"
         run = EngineRun(_disk_script(model_dir, kv, "fill"), timeout=700)
         run.wait("fill")
@@ -193,7 +195,8 @@ def test_disk_filesystem_full_mid_run(model_dir: str, baseline: dict, tmp_path) 
 
 def test_disk_file_truncated_under_a_running_engine(model_dir: str, baseline: dict, tmp_path) -> None:
     from offload_connector.disk.format import HEADER_BYTES
-    kv = connector_config(cpu_bytes=48 * 32 * 1024, disk_path=str(tmp_path / "tier"), disk_bytes="4Mi")
+    kv = connector_config(cpu_bytes=48 * 32 * 1024, disk_path=str(tmp_path / "tier"), disk_bytes="4Mi",
+                          window_checkpoint_tokens=8192)  # as in test_disk_engine.py
     kv["kv_load_failure_policy"] = "recompute"
     run = EngineRun(_disk_script(model_dir, kv, "truncate"), timeout=700)
     run.wait("truncate")
