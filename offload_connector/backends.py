@@ -2,7 +2,7 @@
 `offload_connector.kernels.select` builds them from here.
 
 Plain data (no torch, no CUDA), so the scheduler side and the config parser can read it. A new backend is one module
-under `offload_connector/kernels/` with a `BlockCopier` subclass and one line below.
+under `kernels/` (the package `offload_connector.kernels`) with a `BlockCopier` subclass and one line below.
 """
 
 from __future__ import annotations

@@ -54,12 +54,12 @@ def test_the_architecture_page_names_every_module_of_the_connector():
     files = _files_section()
     named = set(re.findall(r"`([A-Za-z_./]+\.(?:py|c|cu))`", files))
     named |= {part for n in list(named) for part in n.split(" / ")}
-    modules = {p for p in (ROOT / "offload_connector").rglob("*") if p.suffix in (".py", ".c", ".cu")
-               and p.name != "__init__.py" and "__pycache__" not in p.parts}
+    modules = {p for top in ("offload_connector", "kernels") for p in (ROOT / top).rglob("*")
+               if p.suffix in (".py", ".c", ".cu") and p.name != "__init__.py" and "__pycache__" not in p.parts}
     missing = sorted(str(p.relative_to(ROOT)) for p in modules
                      if p.name not in {Path(n).name for n in named})
     assert missing == []
-    gone = sorted(n for n in named if n.startswith("offload_connector/") and not (ROOT / n).exists())
+    gone = sorted(n for n in named if n.startswith(("offload_connector/", "kernels/")) and not (ROOT / n).exists())
     assert gone == []
     basenames = {p.name for p in modules}
     stale = sorted(n for n in named if "/" not in n and n.endswith((".c", ".cu")) and n not in basenames)

@@ -68,6 +68,8 @@ def test_wheel_holds_the_connector_alone(tmp_path) -> None:
     assert tops == {"disk", "kernels", "remote", "scheduler", "worker"}, tops
     assert not [n for n in code if any(part in n.split("/") for part in ("sim", "replay", "soak", "tests"))]
     assert not [n for n in code if n.endswith(("cli.py", "__main__.py", ".jsonl.gz", "config.json"))]
+    # kernels/ at the repository root, shipped as offload_connector.kernels (pyproject's package-dir)
     assert "offload_connector/kernels/gather_scatter.cu" in code and "offload_connector/kernels/host_copy.c" in code
+    assert "offload_connector/kernels/select.py" in code
     entry_points = [n for n in names if n.endswith("entry_points.txt")]
     assert not entry_points, "the connector installs no command; `offload-connector` comes from benchmarks/"

@@ -15,7 +15,7 @@ import torch
 from offload_connector.kernels import Completion, ReferenceCopier, allocate_host_tier, make_copier, workplan
 from offload_connector.kernels.select import BACKENDS, DirectionalCopier, parse_forced, pick_fastest
 
-KERNEL_DIR = Path(__file__).resolve().parents[1] / "offload_connector" / "kernels"
+KERNEL_DIR = Path(__file__).resolve().parents[1] / "kernels"
 CU_FILES = sorted(KERNEL_DIR.glob("*.cu"))
 HAS_CUDA = torch.cuda.is_available()
 gpu = pytest.mark.gpu
@@ -116,7 +116,7 @@ def test_pack_call_empty_and_grid():
 # --- NVRTC and source hygiene ---------------------------------------------------------------------------------
 
 def test_cu_sources_exist():
-    assert CU_FILES, "no .cu sources under offload_connector/kernels/"
+    assert CU_FILES, "no .cu sources under kernels/"
 
 
 # The options CuPy's RawModule adds on its own (cupy/cuda/compiler.py), so the check matches the real loader.
