@@ -18,8 +18,8 @@ def _source_tree_kernels() -> None:
 
     here = Path(__file__).resolve().parent
     root = here.parent / "kernels"
-    if (here / "kernels").is_dir() or not (root / "__init__.py").is_file():
-        return  # an installed wheel, or not this repository's layout
+    if (here / "kernels" / "__init__.py").is_file() or not (root / "__init__.py").is_file():
+        return  # an installed wheel, or not this repository's layout (a stale __pycache__ there does not count)
 
     class _KernelsFinder(importlib.abc.MetaPathFinder):
         def find_spec(self, fullname, path=None, target=None):  # noqa: ANN001, ANN201 (importlib's protocol)
