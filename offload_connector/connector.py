@@ -36,6 +36,16 @@ except ImportError:  # pragma: no cover
     _SOURCES = {}
 
 if TYPE_CHECKING:
+    import torch
+    from vllm.config import VllmConfig
+    from vllm.forward_context import ForwardContext
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
+    from offload_connector.metrics_prom import OffloadPromMetrics
     from offload_connector.scheduler.core import OffloadScheduler
     from offload_connector.worker.side import OffloadWorker
 
@@ -44,7 +54,7 @@ class OffloadConnector(KVConnectorBase_V1, SupportsHMA):
     if _HOST_SOURCE is not None:
         _cache_hit_source = _HOST_SOURCE
 
-    def __init__(self, vllm_config: Any, role: KVConnectorRole, kv_cache_config: Any = None) -> None:
+    def __init__(self, vllm_config: VllmConfig, role: KVConnectorRole, kv_cache_config: KVCacheConfig | None = None) -> None:
         super().__init__(vllm_config=vllm_config, role=role, kv_cache_config=kv_cache_config)
         extra = vllm_config.kv_transfer_config.kv_connector_extra_config
         self.offload_config = OffloadConfig.from_extra_config(extra)
@@ -75,7 +85,7 @@ class OffloadConnector(KVConnectorBase_V1, SupportsHMA):
         return False  # loads and stores are whole-block copies between steps, nothing runs inside a graph
 
     @classmethod
-    def get_required_kvcache_layout(cls, vllm_config: Any) -> str | None:
+    def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:
         # EngineCore._initialize_kv_caches -> resolve_kv_cache_layout asks this on every platform, once, after the
         # workers load the model and before memory profiling, the KV cache, the connectors and the host tier are
         # made: the first call with the whole config. Checks the keys and that every local worker's host tier fits.
@@ -83,29 +93,29 @@ class OffloadConnector(KVConnectorBase_V1, SupportsHMA):
         return None
 
     # ----------------------------------------------------------- scheduler role
-    def bind_kv_cache_manager(self, kv_cache_manager: Any) -> None:
+    def bind_kv_cache_manager(self, kv_cache_manager: KVCacheManager) -> None:
         super().bind_kv_cache_manager(kv_cache_manager)
         assert self.scheduler_side is not None
         self.scheduler_side.bind(kv_cache_manager)
 
-    def on_new_request(self, request: Any) -> None:
+    def on_new_request(self, request: Request) -> None:
         if self.scheduler_side is not None:
             self.scheduler_side.on_new_request(request)
 
-    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         assert self.scheduler_side is not None
         return self.scheduler_side.get_num_new_matched_tokens(request, num_computed_tokens)
 
-    def may_load_async(self, request: Any) -> bool:
+    def may_load_async(self, request: Request) -> bool:
         # vLLM 0.34: with --max-num-inflight-kv-loads, True lets this request's load start while the batch is full.
         assert self.scheduler_side is not None
         return self.scheduler_side.may_load_async(request)
 
-    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         assert self.scheduler_side is not None
         self.scheduler_side.update_state_after_alloc(request, blocks, num_external_tokens)
 
-    def get_external_cache_hit_sources(self, request: Any, num_external_tokens: int) -> dict[Any, int]:
+    def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int) -> dict[Any, int]:
         # Asked after update_state_after_alloc: the tokens of the load just issued, by the tier that held them.
         if num_external_tokens == 0:
             return {}
@@ -115,18 +125,18 @@ class OffloadConnector(KVConnectorBase_V1, SupportsHMA):
             return {_HOST_SOURCE: num_external_tokens} if _HOST_SOURCE is not None else {}
         return {_SOURCES[name]: n for name, n in split.items()}
 
-    def build_connector_meta(self, scheduler_output: Any) -> KVConnectorMetadata:
+    def build_connector_meta(self, scheduler_output: SchedulerOutput) -> KVConnectorMetadata:
         assert self.scheduler_side is not None
         return self.scheduler_side.build_meta(scheduler_output)
 
-    def update_connector_output(self, connector_output: Any) -> None:
+    def update_connector_output(self, connector_output: KVConnectorOutput) -> None:
         if self.scheduler_side is not None:
             self.scheduler_side.update_connector_output(connector_output)
 
-    def request_finished(self, request: Any, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
         return self.request_finished_all_groups(request, (block_ids,))
 
-    def request_finished_all_groups(self, request: Any, block_ids: tuple[list[int], ...]
+    def request_finished_all_groups(self, request: Request, block_ids: tuple[list[int], ...]
                                     ) -> tuple[bool, dict[str, Any] | None]:
         assert self.scheduler_side is not None
         return self.scheduler_side.request_finished(request, block_ids)
@@ -156,7 +166,7 @@ class OffloadConnector(KVConnectorBase_V1, SupportsHMA):
         return self.scheduler_side.snapshot()
 
     # -------------------------------------------------------------- worker role
-    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         assert self.worker_side is not None
         self.worker_side.register_kv_caches(kv_caches)
 
@@ -165,7 +175,7 @@ class OffloadConnector(KVConnectorBase_V1, SupportsHMA):
         if self.worker_side is not None and isinstance(kv_connector_metadata, OffloadMetadata):
             self.worker_side.fence(kv_connector_metadata)
 
-    def start_load_kv(self, forward_context: Any, **kwargs: Any) -> None:
+    def start_load_kv(self, forward_context: ForwardContext, **kwargs: object) -> None:
         assert self.worker_side is not None
         meta = self._get_connector_metadata()
         assert isinstance(meta, OffloadMetadata)
@@ -174,7 +184,7 @@ class OffloadConnector(KVConnectorBase_V1, SupportsHMA):
     def wait_for_layer_load(self, layer_name: str) -> None:
         return None  # loads complete asynchronously, before the request is scheduled
 
-    def save_kv_layer(self, layer_name: str, kv_layer: Any, attn_metadata: Any, **kwargs: Any) -> None:
+    def save_kv_layer(self, layer_name: str, kv_layer: torch.Tensor, attn_metadata: object, **kwargs: object) -> None:
         return None  # stores are whole-block copies issued after the step, not per layer
 
     def wait_for_save(self) -> None:
@@ -209,6 +219,6 @@ class OffloadConnector(KVConnectorBase_V1, SupportsHMA):
         return metrics.build_kv_connector_stats(data)
 
     @classmethod
-    def build_prom_metrics(cls, vllm_config: Any, metric_types: dict[type, type], labelnames: list[str],
-                           per_engine_labelvalues: dict[int, list[object]]) -> Any:
+    def build_prom_metrics(cls, vllm_config: VllmConfig, metric_types: dict[type, type], labelnames: list[str],
+                           per_engine_labelvalues: dict[int, list[object]]) -> OffloadPromMetrics:
         return metrics_prom.build_prom_metrics(vllm_config, metric_types, labelnames, per_engine_labelvalues)

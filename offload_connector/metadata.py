@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Hashable, Sequence
+from typing import Any, Sequence
 
+from offload_connector.keys import BlockKey
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorWorkerMetadata,
@@ -23,10 +24,10 @@ class TransferJob:
     group_gpu_blocks: tuple[tuple[int, ...], ...]
     group_host_slots: tuple[tuple[int, ...], ...]
     # A load only: disk tier entries to read into these host slots (some of the slots above) before the copy.
-    disk_keys: tuple[tuple[int, Hashable], ...] = ()
+    disk_keys: tuple[BlockKey, ...] = ()
     disk_slots: tuple[int, ...] = ()
     # A load only: shared-tier blocks to fetch into these host slots before the copy.
-    remote_keys: tuple[tuple[int, Hashable], ...] = ()
+    remote_keys: tuple[BlockKey, ...] = ()
     remote_slots: tuple[int, ...] = ()
     # A load only: report it failed without copying (the scheduler could not give it every host slot it needed).
     fail_reason: str = ""
@@ -74,7 +75,7 @@ class TierWrite:
     """Write CPU-tier slot `host_slots[i]` to a second tier (disk or shared) under `keys[i]`, a (group, vLLM block
     hash) key; the slots stay pinned by the scheduler until every worker reported the job."""
     job_id: int
-    keys: tuple[tuple[int, Hashable], ...]
+    keys: tuple[BlockKey, ...]
     host_slots: tuple[int, ...]
 
 
@@ -96,7 +97,7 @@ class OffloadMetadata(KVConnectorMetadata):
     # The disk tier, applied in this order before this step's loads: forget everything (a cache reset), forget these
     # keys (evicted or failed; the scheduler decides, so every worker's tier holds the same keys), write these.
     disk_clear: bool = False
-    disk_drops: tuple[tuple[int, Hashable], ...] = ()
+    disk_drops: tuple[BlockKey, ...] = ()
     disk_writes: tuple[TierWrite, ...] = ()
     # The shared tier: write these blocks' shards (every worker its own) to the shared store.
     remote_writes: tuple[TierWrite, ...] = ()

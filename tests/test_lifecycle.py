@@ -43,8 +43,9 @@ def rig(*, num_blocks: int = 160, cpu_slots: int = 4096, batch: int = 64, depth:
     """vLLM's Scheduler over a full-attention + sliding-window layout; `depth` 2 is EngineCore's async batch queue
     (the default for this async-scheduling config), 1 a synchronous engine. `engine`: TagCopier knobs. The tests
     count exactly which windows the rules store, so spare windows are off unless a test asks for them
-    (tests/test_lifecycle_property.py runs the lifecycle with them)."""
-    kvt = connector_config("exact", cpu_slots * SLOT_BYTES, spare_windows=spare_windows)
+    (tests/test_lifecycle_property.py runs the lifecycle with them), and checkpoints are pinned far apart (the spacing
+    derived for this small window, tests/test_checkpoint_spacing.py, would store a window every few blocks)."""
+    kvt = connector_config("exact", cpu_slots * SLOT_BYTES, spare_windows=spare_windows, window_checkpoint_tokens=8192)
     sched, hbs = build_custom(GROUPS, num_blocks=num_blocks, max_num_batched_tokens=batch, max_model_len=2048,
                               kv_transfer_config=kvt)
     drv = SchedulerDriver(sched, TagCopier(**engine), batch_depth=depth)

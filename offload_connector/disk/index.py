@@ -14,14 +14,15 @@ from __future__ import annotations
 import os
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Hashable, Iterator
+from typing import Iterator
 
 from offload_connector.disk.format import (
     FILE_NAME, HEADER_BYTES, RECORD_BYTES, DiskFingerprint, FingerprintMismatch, Header, Record, align_up,
     is_blank, unpack_header, unpack_record,
 )
+from offload_connector.keys import BlockKey
 
-Key = tuple[int, Hashable]  # (group index, vLLM block hash), as `scheduler.tier_index.Key`
+Key = BlockKey
 
 
 @dataclass(eq=False)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 from collections import deque
-from typing import Any
+from typing import TYPE_CHECKING
 
 from offload_connector.config import OffloadConfig
 from offload_connector.groups import GroupInfo, check_against_manager, tier_slots
@@ -32,13 +32,23 @@ from offload_connector.scheduler.view import SchedulerView, build_view
 from offload_connector.scheduler.watchdog import StallReport, StallWatchdog
 from offload_connector.scheduler.windows import checkpoint_spacing
 
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import KVCacheEvent
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
+    from vllm.v1.core.sched.output import SchedulerOutput
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.outputs import KVConnectorOutput
+    from vllm.v1.request import Request
+
 __all__ = ["Admission", "OffloadScheduler", "SchedulerCounters", "SchedulerView"]
 
 logger = get_logger(__name__)
 
 
 class OffloadScheduler:
-    def __init__(self, config: OffloadConfig, vllm_config: Any, kv_cache_config: Any) -> None:
+    def __init__(self, config: OffloadConfig, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> None:
         layout = Layout.from_vllm(vllm_config, kv_cache_config)
         derived_spacing = config.window_checkpoint_tokens is None
         if derived_spacing:  # every part (stores, the shared tier's lookups) reads one resolved number
@@ -120,7 +130,7 @@ class OffloadScheduler:
             config.remote_store or "off")
 
     # ------------------------------------------------------------------ binding
-    def bind(self, kv_cache_manager: Any) -> None:
+    def bind(self, kv_cache_manager: KVCacheManager) -> None:
         managers = tuple(kv_cache_manager.coordinator.single_type_managers)
         check_against_manager(self.groups, managers)
         kv = KVBinding(managers, kv_cache_manager.block_pool, kv_cache_manager,
@@ -128,12 +138,12 @@ class OffloadScheduler:
         self.admission.bind(kv)
         self.stores.bind(kv)
 
-    def on_new_request(self, request: Any) -> None:
+    def on_new_request(self, request: Request) -> None:
         self._requests[request.request_id] = ReqState(request, [0] * len(self.groups),
                                                       window_next=[0] * len(self.groups))
 
     # --------------------------------------------------------------- admission
-    def get_num_new_matched_tokens(self, request: Any, num_computed_tokens: int) -> tuple[int | None, bool]:
+    def get_num_new_matched_tokens(self, request: Request, num_computed_tokens: int) -> tuple[int | None, bool]:
         state = self._requests.get(request.request_id)
         if state is None:  # a request we were not told about (should not happen); track it now
             self.on_new_request(request)
@@ -142,7 +152,7 @@ class OffloadScheduler:
             return 0, False
         return self.admission.match(request, state, num_computed_tokens, self._step)
 
-    def may_load_async(self, request: Any) -> bool:
+    def may_load_async(self, request: Request) -> bool:
         """vLLM 0.34 asks this as a request enters the waiting queues (with `--max-num-inflight-kv-loads`): True puts
         it in the queue whose loads may start while the running batch is full. Side-effect free: the tiers of this
         host hold at least `min_load_tokens` of its prompt, as the lookup would find them now."""
@@ -151,7 +161,7 @@ class OffloadScheduler:
             return False
         return self.admission.probe(request) >= max(1, self.config.min_load_tokens)
 
-    def update_state_after_alloc(self, request: Any, blocks: Any, num_external_tokens: int) -> None:
+    def update_state_after_alloc(self, request: Request, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         if num_external_tokens <= 0:
             return
         self.admission.start_load(request, self._requests[request.request_id], blocks, num_external_tokens)
@@ -161,14 +171,14 @@ class OffloadScheduler:
         state = self._requests.get(request_id)
         return dict(state.hit_sources) if state is not None else {}
 
-    def plan_load(self, request: Any, hit: int, local_blocks: list[list[Any]]) -> ledger.LoadPlan:
+    def plan_load(self, request: Request, hit: int, local_blocks: list[list[KVCacheBlock]]) -> ledger.LoadPlan:
         """Exact per-group blocks a load of `hit` tokens takes now and may still take through its prompt."""
         return self.admission.plan_load(request, hit, local_blocks)
 
     def snapshot(self) -> ledger.LedgerSnapshot:
         return self.admission.snapshot(self._step)
 
-    def request_finished(self, request: Any, block_ids: tuple[list[int], ...]) -> tuple[bool, dict | None]:
+    def request_finished(self, request: Request, block_ids: tuple[list[int], ...]) -> tuple[bool, dict | None]:
         rid = request.request_id
         state = self._requests.get(rid)
         if state is None:
@@ -194,7 +204,7 @@ class OffloadScheduler:
         return False, None
 
     # ------------------------------------------------------------- step output
-    def build_meta(self, scheduler_output: Any) -> OffloadMetadata:
+    def build_meta(self, scheduler_output: SchedulerOutput) -> OffloadMetadata:
         self._step += 1
         self._startup_step_pending = False
         # Fences look only at stores issued in earlier steps: this step's stores read after this step's forward.
@@ -214,7 +224,7 @@ class OffloadScheduler:
                                remote_writes=self.remote.take_step() if self.remote is not None else (),
                                remote_epoch=self.remote_epoch)
 
-    def _watch(self, scheduler_output: Any) -> None:
+    def _watch(self, scheduler_output: SchedulerOutput) -> None:
         # With no token scheduled nothing runs, so every unfinished request is waiting.
         waiting = sum(1 for st in self._requests.values() if not st.finished)
         detected = self.watchdog.observe(scheduler_output.total_num_scheduled_tokens, waiting, self.jobs.in_flight())
@@ -223,7 +233,7 @@ class OffloadScheduler:
                                              self.admission.holders()))
         self.stats.record_stall_state(self.watchdog.stalled, detected)
 
-    def update_connector_output(self, output: Any) -> None:
+    def update_connector_output(self, output: KVConnectorOutput) -> None:
         meta = getattr(output, "kv_connector_worker_meta", None)
         if isinstance(meta, OffloadWorkerMetadata):  # before the failures they explain: their slots stay held
             self.jobs.reads_abandoned(meta.reads_abandoned)
@@ -361,7 +371,7 @@ class OffloadScheduler:
         self.stores.events = events
         self.tier.on_removed = events.removed if events.enabled else None
 
-    def take_events(self) -> list[Any]:
+    def take_events(self) -> list[KVCacheEvent]:
         """KV cache events (medium "CPU") since the last call: the connector's `take_events()`."""
         return self.events.take()
 
@@ -387,7 +397,7 @@ class OffloadScheduler:
         return self.admission.log
 
 
-def skips_external_kv(request: Any) -> bool:
+def skips_external_kv(request: Request) -> bool:
     """vLLM discards an external hit for these requests after asking (prompt logprobs, `skip_reading_prefix_cache`):
     vLLM 0.34's `skip_reading_external_kv`, 0.32/0.33's `skip_reading_prefix_cache`. Answering 0 keeps them out of
     deferrals and fairness holds for a load that would never happen."""

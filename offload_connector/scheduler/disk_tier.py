@@ -20,7 +20,7 @@ worker's tier never has to evict on its own). A key is readable once every worke
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Hashable, Sequence
+from typing import Sequence
 
 from offload_connector.disk.format import DiskFormatError
 from offload_connector.disk.index import DiskEntry, DiskIndex, scan_directory
@@ -29,10 +29,11 @@ from offload_connector.log import get_logger
 from offload_connector.metadata import TierWrite
 from offload_connector.scheduler.write_through import WriteThrough
 from offload_connector.scheduler.tier_index import TierIndex
+from offload_connector.keys import BlockKey
 
 logger = get_logger(__name__)
 
-Key = tuple[int, Hashable]
+Key = BlockKey
 
 
 @dataclass

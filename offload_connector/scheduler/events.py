@@ -25,13 +25,14 @@ Hashes are converted as the GPU pool converts them (`maybe_convert_block_hash`: 
 
 from __future__ import annotations
 
-from typing import Any, Callable, Hashable, Sequence
+from typing import Any, Callable, Sequence
 
 from offload_connector.groups import GroupInfo
+from offload_connector.keys import BlockKey
 
 MEDIUM = "CPU"
 
-Key = tuple[int, Hashable]
+Key = BlockKey
 
 
 def events_enabled(vllm_config: Any) -> bool:

@@ -18,17 +18,18 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Callable, Hashable, Iterable, Sequence
+from typing import Any, Callable, Iterable, Sequence
 
 from offload_connector.log import get_logger
 from offload_connector.metadata import TierWrite
 from offload_connector.scheduler.lookup import full_prefix_tokens
 from offload_connector.scheduler.write_through import WriteThrough
 from offload_connector.scheduler.tier_index import TierIndex
+from offload_connector.keys import BlockKey
 
 logger = get_logger(__name__)
 
-Key = tuple[int, Hashable]
+Key = BlockKey
 PRESENT_TTL_STEPS = 50
 # Blocks this engine knows it wrote (not written again while remembered); a bound on the scheduler's memory.
 KNOWN_WRITTEN = 1 << 20

@@ -29,11 +29,12 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Callable, Collection, Hashable, Iterable, Mapping, Sequence
+from typing import Callable, Collection, Iterable, Mapping, Sequence
 
 from offload_connector.scheduler.eviction import EvictionPolicy, make_policy
+from offload_connector.keys import BlockKey
 
-Key = tuple[int, Hashable]  # (group index, vLLM block hash)
+Key = BlockKey
 
 
 @dataclass

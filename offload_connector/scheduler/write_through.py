@@ -9,12 +9,13 @@ stays with each tier's planner.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Hashable, Sequence
+from typing import Sequence
 
 from offload_connector.metadata import TierWrite
 from offload_connector.scheduler.tier_index import TierIndex
+from offload_connector.keys import BlockKey
 
-Key = tuple[int, Hashable]
+Key = BlockKey
 
 
 @dataclass

@@ -30,9 +30,9 @@ The built-in policies are in `lru.py`, `slru.py` and `arc.py`; `__init__.py` nam
 
 from __future__ import annotations
 
-from typing import Hashable
+from offload_connector.keys import BlockKey
 
-Key = tuple[int, Hashable]  # (group index, vLLM block hash), as in tier_index
+Key = BlockKey
 
 # Called by TierIndex; a class named by module path must have every one of them.
 
