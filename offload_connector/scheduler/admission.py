@@ -5,10 +5,11 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Callable
 
 from offload_connector.config import OffloadConfig
 from offload_connector.groups import cdiv
+from offload_connector.keys import BlockKey
 from offload_connector.log import get_logger
 from offload_connector.metadata import TransferJob
 from offload_connector.metrics import OffloadStatsSink
@@ -22,6 +23,11 @@ from offload_connector.scheduler.state import KVBinding, Layout, ReqState, Sched
 from offload_connector.scheduler.stores import in_prefix_order
 from offload_connector.scheduler.tier_index import TierIndex
 from offload_connector.scheduler.watchdog import PoolHolder
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_manager import KVCacheBlocks
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
+    from vllm.v1.request import Request
 
 logger = get_logger(__name__)
 
@@ -70,12 +76,12 @@ class AdmissionControl:
         self.kv = kv
 
     # ------------------------------------------------------------------ lookup
-    def available(self, key: Any) -> bool:
+    def available(self, key: BlockKey) -> bool:
         """A key a load can copy from a tier of this host: a ready CPU-tier entry, or a disk-tier entry to read back
         first."""
         return self.tier.is_ready(key) or (self.disk is not None and self.disk.readable(key))
 
-    def _ready_fn(self, request: Any, upper: int, step: int) -> Callable[[Any], bool]:
+    def _ready_fn(self, request: Request, upper: int, step: int) -> Callable[[BlockKey], bool]:
         """`available`, plus the blocks the shared tier holds when it is on (`RemoteTierPlanner.ready_fn`)."""
         if self.remote is None:
             return self.available if self.disk is not None else self.tier.is_ready
@@ -83,7 +89,7 @@ class AdmissionControl:
                                     self.layout.alignment, self.config.window_checkpoint_tokens, self.available,
                                     upper, step)
 
-    def hit(self, request: Any, upper: int, local: int = 0, step: int = 0) -> int:
+    def hit(self, request: Request, upper: int, local: int = 0, step: int = 0) -> int:
         """The longest prefix up to `upper` tokens every group can restore from the tiers. Notes a shared-prefix end
         found there without its window, so that store planning keeps a window at it (`ReqState.junctions`).
 
@@ -115,7 +121,7 @@ class AdmissionControl:
                 request.shared_prefix_boundary = junction
         return hit
 
-    def probe(self, request: Any) -> int:
+    def probe(self, request: Request) -> int:
         """The prefix this host's tiers (CPU, disk) could restore now, without any side effect: no shared-tier query,
         no junction noted, nothing touched. The shared tier's blocks are not probed (a network round trip)."""
         keys = self.layout.keys(request)
@@ -123,7 +129,7 @@ class AdmissionControl:
         full = full_prefix_tokens(self.layout.groups, keys, self.available, upper)
         return longest_hit(self.layout.groups, keys, self.available, upper, self.layout.alignment, full_tokens=full)
 
-    def load_keys(self, request: Any, local: int, hit: int) -> list[tuple[int, int, Any]]:
+    def load_keys(self, request: Request, local: int, hit: int) -> list[tuple[int, int, BlockKey]]:
         """(group, block index, key) of every block a load of tokens `local`..`hit` copies: each group's blocks from
         the first one still in its window (or chunk) at `hit`, past what vLLM already has."""
         keys = self.layout.keys(request)
@@ -133,7 +139,7 @@ class AdmissionControl:
             out.extend((g.index, i, keys(g.index, i)) for i in range(start, hit // g.block_size))
         return out
 
-    def match(self, request: Any, state: ReqState, num_computed_tokens: int, step: int) -> tuple[int | None, bool]:
+    def match(self, request: Request, state: ReqState, num_computed_tokens: int, step: int) -> tuple[int | None, bool]:
         """vLLM's `get_num_new_matched_tokens` for a request with no load in flight."""
         capped_since, state.admitted_step = state.admitted_step, None
         if state.no_load:  # recomputing its prefix; still behind any older deferred load
@@ -161,7 +167,7 @@ class AdmissionControl:
             return hit - num_computed_tokens, True
         return self._admit(request, state, num_computed_tokens, hit, step, capped_since)
 
-    def _admit(self, request: Any, state: ReqState, local: int, hit: int, step: int,
+    def _admit(self, request: Request, state: ReqState, local: int, hit: int, step: int,
                capped_since: int | None = None) -> tuple[int | None, bool]:
         kv = self._kv()
         local_blocks = self._local_blocks(request, local)
@@ -204,7 +210,7 @@ class AdmissionControl:
         state.no_load = True
         return 0, False
 
-    def _waits(self, request: Any, local: int, hit: int, step: int, plan: ledger.LoadPlan, reason: str) -> None:
+    def _waits(self, request: Request, local: int, hit: int, step: int, plan: ledger.LoadPlan, reason: str) -> None:
         """A load that waits this step (for room, or for vLLM to start it): counted under `reason`, its tier entries
         kept warm, and under fair admission newer requests held back for it."""
         self.stats.record_deferral(reason)
@@ -212,7 +218,7 @@ class AdmissionControl:
         if self.config.admission_policy == "fair":
             self.fair.defer(request, step, sum(plan.now), plan.total)
 
-    def _aged_out(self, request: Any, state: ReqState, local: int, hit: int, step: int, since: int) -> bool:
+    def _aged_out(self, request: Request, state: ReqState, local: int, hit: int, step: int, since: int) -> bool:
         """Start (at `since`) or continue the request's deferral clock; past `max_deferral_steps` give the load up:
         the request recomputes its prefix instead."""
         if state.deferred_since is None:
@@ -228,7 +234,7 @@ class AdmissionControl:
         state.no_load = True
         return True
 
-    def _keep_warm(self, request: Any, local: int, hit: int) -> None:
+    def _keep_warm(self, request: Request, local: int, hit: int) -> None:
         """Touch the tier entries of a load that is waiting for room, every step it waits.
 
         It waits for exactly these blocks; left to age like any other entry, the stores of the requests that run
@@ -239,7 +245,7 @@ class AdmissionControl:
         """
         self.tier.touch([key for _, _, key in self.load_keys(request, local, hit)])
 
-    def _held_for_older(self, request: Any, local: int, hit: int, step: int, need: int | None = None) -> bool:
+    def _held_for_older(self, request: Request, local: int, hit: int, step: int, need: int | None = None) -> bool:
         """Whether `request` must wait so that an older deferred load keeps the room it is waiting for.
 
         `need` is what the request would take through its prompt (computed here, only when it could matter, for a
@@ -301,7 +307,7 @@ class AdmissionControl:
     def _holders_remaining(self, free: int, step: int) -> int:
         return sum(sum(r.remaining) for r in self._step_rows(free, step))
 
-    def _local_blocks(self, request: Any, local: int) -> list[list[Any]]:
+    def _local_blocks(self, request: Request, local: int) -> list[list[KVCacheBlock]]:
         """The local prefix-hit blocks vLLM adopts with a hit of `local` tokens.
 
         Looked up with vLLM's own bound (`num_tokens - 1`), not `local`: a chunked-local lookup bounded at `local`
@@ -313,7 +319,7 @@ class AdmissionControl:
                                                                           request.num_tokens - 1)[0]
         return [list(b)[: cdiv(local, g.block_size)] for g, b in zip(self.layout.groups, blocks)]
 
-    def plan_load(self, request: Any, hit: int, local_blocks: list[list[Any]]) -> ledger.LoadPlan:
+    def plan_load(self, request: Request, hit: int, local_blocks: list[list[KVCacheBlock]]) -> ledger.LoadPlan:
         """Exact per-group blocks a load of `hit` tokens takes now and may still take through its prompt."""
         target = self.layout.target_tokens(request)
         now, remaining, entries, live = [], [], [], []
@@ -378,7 +384,7 @@ class AdmissionControl:
         return tuple(holders)
 
     # -------------------------------------------------------------------- load
-    def start_load(self, request: Any, state: ReqState, blocks: Any, num_external_tokens: int) -> None:
+    def start_load(self, request: Request, state: ReqState, blocks: KVCacheBlocks, num_external_tokens: int) -> None:
         """vLLM allocated the blocks of an admitted load: pin its tier entries and issue the copy."""
         rid = request.request_id
         hit = state.offered_hit
@@ -421,7 +427,7 @@ class AdmissionControl:
         self.counters.loads_admitted += 1
         self.counters.loaded_tokens += num_external_tokens
 
-    def _hit_sources(self, groups_: list[int], indices: list[int], keylist: list[Any], local: int,
+    def _hit_sources(self, groups_: list[int], indices: list[int], keylist: list[BlockKey], local: int,
                      hit: int) -> dict[str, int]:
         """The load's tokens `local`..`hit` split by the tier they come from (before the load pins or promotes
         anything): a token counts for the farthest tier among the loaded blocks that cover it; a token no loaded
@@ -441,7 +447,7 @@ class AdmissionControl:
         counts[farthest] += (hit - local) - at_least[0]
         return {name: n for name, n in zip(HIT_SOURCES, counts) if n}
 
-    def _start_load_with_read_backs(self, request: Any, groups_: list[int], gpu: list[int], keylist: list[Any],
+    def _start_load_with_read_backs(self, request: Request, groups_: list[int], gpu: list[int], keylist: list[BlockKey],
                               indices: list[int], tokens: int) -> None:
         """Issue a load whose keys may be partly in a second tier (disk, shared): those get fresh CPU-tier entries
         (reserved like a store's, published when the load lands) and the worker reads them into those slots first."""
@@ -465,7 +471,7 @@ class AdmissionControl:
                                            fail_reason="no CPU-tier slot free for a read-back")
             self.jobs.add_load(job, [], tokens)
             return
-        after: list[tuple[Callable[[Any, bool, bool], None], Any]] = []
+        after: list[tuple[Callable[..., None], object]] = []  # (the tier's finish hook, its read-back handle)
         if on_disk:
             assert self.disk is not None
             after.append((self.disk.read_finished, self.disk.pin_for_read(on_disk)))
@@ -503,6 +509,6 @@ def _covered(spans: list[tuple[int, int]]) -> int:
     return total
 
 
-def _in_prefill(request: Any) -> bool:
+def _in_prefill(request: Request) -> bool:
     return request.num_computed_tokens < max(request.num_prompt_tokens, request.num_tokens - 1)
 

@@ -6,10 +6,18 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 from offload_connector.groups import GroupInfo, describe_groups, hit_alignment
 from offload_connector.scheduler.lookup import BlockKeys
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.core.block_pool import BlockPool
+    from vllm.v1.core.kv_cache_manager import KVCacheManager
+    from vllm.v1.core.single_type_kv_cache_manager import SingleTypeKVCacheManager
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
 
 
 @dataclass(frozen=True)
@@ -26,7 +34,7 @@ class Layout:
     has_recycling: bool  # some group frees blocks behind a window or chunk
 
     @classmethod
-    def from_vllm(cls, vllm_config: Any, kv_cache_config: Any) -> Layout:
+    def from_vllm(cls, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> Layout:
         spec_cfg = getattr(vllm_config, "speculative_config", None)
         num_spec = getattr(spec_cfg, "num_speculative_tokens", 0) or 0 if spec_cfg else 0
         lookahead = getattr(vllm_config, "num_lookahead_tokens", 0) or 0
@@ -43,11 +51,11 @@ class Layout:
             has_recycling=any(g.recycling for g in groups),
         )
 
-    def keys(self, request: Any) -> BlockKeys:
+    def keys(self, request: Request) -> BlockKeys:
         """The tier keys of `request`'s blocks, per group."""
         return BlockKeys(request.block_hashes, self.hash_block_size, self.groups)
 
-    def target_tokens(self, request: Any) -> int:
+    def target_tokens(self, request: Request) -> int:
         """The tokens a request is planned to: its prompt, then one decode step (plus speculative and lookahead
         slots), the least it needs to run at all."""
         return min(request.num_tokens + 1 + self.num_spec_tokens + self.num_lookahead_tokens, self.max_model_len)
@@ -56,15 +64,15 @@ class Layout:
 @dataclass(frozen=True)
 class KVBinding:
     """vLLM's KV cache manager, known only once vLLM binds it (after the connector is built)."""
-    managers: tuple[Any, ...]  # one single-type manager per group
-    pool: Any  # the BlockPool
-    kv_manager: Any
+    managers: tuple[SingleTypeKVCacheManager, ...]  # one single-type manager per group
+    pool: BlockPool
+    kv_manager: KVCacheManager
     watermark: int
 
 
 @dataclass
 class ReqState:
-    request: Any
+    request: Request
     full_stored: list[int]  # per group: blocks [0, n) already handed to the tier (or found there)
     window_scanned: int = 0  # boundaries up to here were considered for window stores
     junctions: set[int] = field(default_factory=set)  # shared-prefix ends found at lookup without a window
@@ -110,7 +118,7 @@ def _gcd_block(groups: tuple[GroupInfo, ...]) -> int:
     return math.gcd(*(g.block_size for g in groups))
 
 
-def _max_in_flight_tokens(vllm_config: Any) -> int:
+def _max_in_flight_tokens(vllm_config: VllmConfig) -> int:
     value = getattr(vllm_config, "max_in_flight_tokens", None)
     if value is not None:
         return int(value)
