@@ -121,8 +121,9 @@ def _cfg(shared_bytes: int | None) -> RouterConfig:
     return RouterConfig(model=MODEL, num_gpu_blocks=2304, cpu_bytes=8 * 2**30, max_num_batched_tokens=1024,
                         max_model_len=32768, max_num_seqs=64, time_model=time_model_for(MODEL), limit=40,
                         stall_steps=100, columns=(SHARED,), shared_bandwidth_gbps=0.5, shared_bytes=shared_bytes,
-                        # Spare windows (not written through) leave fewer fetches for the race this run needs.
-                        offload_extra=(("spare_windows", False),))
+                        # Spare windows (not written through) and the layout's denser checkpoints (128 tokens apart
+                        # on gpt-oss) leave fewer fetches for the race this run needs: both pinned as measured.
+                        offload_extra=(("spare_windows", False), ("window_checkpoint_tokens", 8192)))
 
 
 @pytest.fixture(scope="module")
