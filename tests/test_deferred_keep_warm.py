@@ -15,10 +15,16 @@ from offload_bench.sim.scenarios import connector_config
 from offload_bench.sim.starved import PREFIX, build, run
 
 
+# The tier is sized in slots for the prefix stored with checkpoints 8,192 tokens apart (its end window only); the
+# layout's derived spacing (128 tokens on this gpt-oss-like layout) stores a window every 128 tokens and changes what
+# fits, so the scene pins the spacing it was sized for.
+SPACING = 8192
+
+
 def _scene(cpu_slots: int) -> dict:
-    probe, _ = build(connector_config("exact", 1 << 32))
+    probe, _ = build(connector_config("exact", 1 << 32, window_checkpoint_tokens=SPACING))
     slot_bytes = probe.get_kv_connector().scheduler_side.slot_bytes
-    drv, _ = run(connector_config("exact", cpu_slots * slot_bytes))
+    drv, _ = run(connector_config("exact", cpu_slots * slot_bytes, window_checkpoint_tokens=SPACING))
     side = drv.side
     loads = [a for a in side.admissions if a.request_id == "ret" and a.free_after is not None]
     return {"hit": loads[0].plan.hit_tokens if loads else 0, "deferrals": side.counters.deferrals,
