@@ -37,6 +37,27 @@ def vllm_release() -> str:
     return f"{match.group(1)}.{match.group(2)}" if match else ""
 
 
+def hash_lookahead_tokens(vllm_config: object) -> int:
+    """Tokens past each block that its block hash covers (vLLM 0.34, EAGLE/MTP with `supports_lookahead_block_hashes`:
+    the drafter's KV at a block's last position reads them); 0 on 0.32/0.33 and without a drafter. Blocks hashed with
+    a lookahead are other keys than blocks hashed without one, so stored KV is scoped by it too."""
+    return int(getattr(vllm_config, "num_hash_lookahead_tokens", 0) or 0)
+
+
+def lookahead_note(vllm_config: object) -> str:
+    """The fingerprint suffix of stored KV hashed with a lookahead ("" without one, so tiers written without it keep
+    their fingerprint): engines hashing with different lookaheads compute different keys for the same prefix, and
+    vLLM asks that engines sharing a store agree on it; a tier of the other setting is refused, saying so."""
+    n = hash_lookahead_tokens(vllm_config)
+    return f"; hash lookahead {n}" if n else ""
+
+
+def reprefillable_tokens(vllm_config: object) -> int:
+    """The trailing computed tokens whose KV is not final yet (vLLM 0.34's multi-module MTP re-prefills them at the
+    next chunk, `num_prefill_lookahead_tokens` - 1); vLLM's own prefix cache leaves them out, and so do stores."""
+    return max(0, int(getattr(vllm_config, "num_prefill_lookahead_tokens", 0) or 0) - 1)
+
+
 def check_installed_vllm() -> str:
     import vllm
 

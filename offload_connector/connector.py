@@ -37,7 +37,7 @@ except ImportError:  # pragma: no cover
 
 if TYPE_CHECKING:
     import torch
-    from vllm.config import VllmConfig
+    from vllm.config import KVTransferConfig, VllmConfig
     from vllm.forward_context import ForwardContext
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
     from vllm.v1.core.sched.output import SchedulerOutput
@@ -83,6 +83,13 @@ class OffloadConnector(KVConnectorBase_V1, SupportsHMA):
         # (get_required_kvcache_layout), in the engine only: a VllmConfig built for a simulation must not need it.
         OffloadConfig.from_extra_config(extra_config)
         return False  # loads and stores are whole-block copies between steps, nothing runs inside a graph
+
+    @classmethod
+    def supports_lookahead_block_hashes(cls, kv_transfer_config: KVTransferConfig) -> bool:
+        # vLLM 0.34 asks this when it resolves the hash lookahead for EAGLE/MTP. Every key, hit and store follows
+        # `request.block_hashes` (a block is stored only once it has a hash, with its KV final), so hashes that also
+        # cover the drafter's next tokens need nothing else here, and vLLM stops dropping the last block of a hit.
+        return True
 
     @classmethod
     def get_required_kvcache_layout(cls, vllm_config: VllmConfig) -> str | None:

@@ -183,7 +183,7 @@ def open_marker_store(config: Any, vllm_config: Any, kv_cache_config: Any, group
     model, KV cache groups and parallel layout computes alike (the workers' shard fingerprints hold their ranks)."""
     import hashlib
 
-    from offload_connector.compat import vllm_release
+    from offload_connector.compat import lookahead_note, vllm_release
     from offload_connector.config import ConfigError
     from offload_connector.remote import RemoteConfigError, RemoteFingerprint, RemoteUnavailable, make_remote_store
     mc = getattr(vllm_config, "model_config", None)
@@ -197,7 +197,7 @@ def open_marker_store(config: Any, vllm_config: Any, kv_cache_config: Any, group
         tp_size=int(getattr(pc, "tensor_parallel_size", 1) or 1), pp_size=int(getattr(pc, "pipeline_parallel_size", 1)
                                                                           or 1),
         extra="; ".join(f"{g.kind.value} {g.sliding_window or g.chunk_size or ''}" for g in groups)
-        + f"; layers {layers.hexdigest()[:16]}", vllm=vllm_release())
+        + f"; layers {layers.hexdigest()[:16]}" + lookahead_note(vllm_config), vllm=vllm_release())
     try:
         options = dict(config.remote_options)
         if config.remote_store == "redis" and "socket_timeout_s" not in options:

@@ -8,6 +8,7 @@ import math
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from offload_connector.compat import reprefillable_tokens
 from offload_connector.groups import GroupInfo, describe_groups, hit_alignment
 from offload_connector.scheduler.lookup import BlockKeys
 
@@ -32,6 +33,7 @@ class Layout:
     num_lookahead_tokens: int
     has_full: bool  # some group keeps every block (full attention, MLA)
     has_recycling: bool  # some group frees blocks behind a window or chunk
+    reprefillable_tokens: int = 0  # trailing computed tokens whose KV may still change (compat.reprefillable_tokens)
 
     @classmethod
     def from_vllm(cls, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> Layout:
@@ -49,6 +51,7 @@ class Layout:
             num_lookahead_tokens=lookahead,
             has_full=any(not g.recycling for g in groups),
             has_recycling=any(g.recycling for g in groups),
+            reprefillable_tokens=reprefillable_tokens(vllm_config),
         )
 
     def keys(self, request: Request) -> BlockKeys:

@@ -12,7 +12,7 @@ import hashlib
 from dataclasses import dataclass
 from typing import Any, Sequence
 
-from offload_connector.compat import vllm_release
+from offload_connector.compat import lookahead_note, vllm_release
 from offload_connector.disk import DiskFingerprint
 from offload_connector.disk.format import MAC_KEY_PURPOSE
 from offload_connector.disk.placement import disk_budget, disk_slots, rank_dir
@@ -48,8 +48,8 @@ def current_rank(vllm_config: Any) -> DiskRank:
 def fingerprint_for(vllm_config: Any, kv_cache_config: Any, group_bytes: Sequence[int], slot_bytes: int,
                     rank: DiskRank) -> DiskFingerprint:
     """What must match for this worker's file to hold this worker's KV blocks: the model, each group's block bytes,
-    block size and layers (so a PP stage never reads another's), the KV dtype, this worker's TP/PP position and the
-    vLLM release."""
+    block size and layers (so a PP stage never reads another's), the KV dtype, this worker's TP/PP position, the
+    vLLM release and the block hashes' lookahead (0.34 with EAGLE/MTP)."""
     mc = getattr(vllm_config, "model_config", None)
     cc = getattr(vllm_config, "cache_config", None)
     groups = kv_cache_config.kv_cache_groups
@@ -60,7 +60,7 @@ def fingerprint_for(vllm_config: Any, kv_cache_config: Any, group_bytes: Sequenc
         block_sizes=tuple(int(g.kv_cache_spec.block_size) for g in groups),
         dtype=f"{getattr(cc, 'cache_dtype', 'auto')}/{getattr(mc, 'dtype', '')}",
         slot_bytes=slot_bytes,
-        extra=f"tp {rank.tp}/{rank.tp_size} pp {rank.pp}/{rank.pp_size} layers {layers}",
+        extra=f"tp {rank.tp}/{rank.tp_size} pp {rank.pp}/{rank.pp_size} layers {layers}" + lookahead_note(vllm_config),
         vllm=vllm_release(),
     )
 

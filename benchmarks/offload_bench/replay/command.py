@@ -229,9 +229,7 @@ def check_batch(args: argparse.Namespace) -> None:
                        f"({args.max_num_seqs:,}): vLLM schedules at least one token per sequence in a step")
 
 
-def check_inflight_cap(args: argparse.Namespace) -> None:
-    if getattr(args, "max_num_inflight_kv_loads", None) is None:
-        return
+def _installed_vllm() -> tuple[tuple[int, int], str | None]:
     # From the installed distribution's metadata: importing vLLM here would print torch's warnings on stderr.
     from importlib import metadata
     version = None
@@ -243,11 +241,22 @@ def check_inflight_cap(args: argparse.Namespace) -> None:
             continue
     parts = (version or "0.0").split(".")
     try:
-        minor = (int(parts[0]), int(parts[1]))
+        return (int(parts[0]), int(parts[1])), version
     except (ValueError, IndexError):
-        minor = (0, 0)
+        return (0, 0), version
+
+
+def check_inflight_cap(args: argparse.Namespace) -> None:
+    flags = []
+    if getattr(args, "max_num_inflight_kv_loads", None) is not None:
+        flags.append("--max-num-inflight-kv-loads")
+    if getattr(args, "disable_lookahead_block_hashes", False):
+        flags.append("--disable-lookahead-block-hashes")
+    if not flags:
+        return
+    minor, version = _installed_vllm()
     if minor < (0, 34):
-        raise ArgError(f"--max-num-inflight-kv-loads needs vLLM >= 0.34 (this is {version or 'not installed'})")
+        raise ArgError(f"{flags[0]} needs vLLM >= 0.34 (this is {version or 'not installed'})")
 
 
 def check_outputs_differ(*pairs: tuple[str, str | None]) -> None:
@@ -515,6 +524,10 @@ def add_parser(sub: Any) -> None:
     p.add_argument("--max-num-inflight-kv-loads", type=int_in(1, 4096),
                    help="1 to 4096: vLLM 0.34's cap on KV loads in flight, with which a load may start while the "
                         "running batch is full (for a connector whose may_load_async says so; default: unset)")
+    p.add_argument("--disable-lookahead-block-hashes", action="store_true",
+                   help="vLLM 0.34 with MTP drafts: hash blocks without the drafter's next tokens, so every hit "
+                        "drops its last block (the speculative config's disable_lookahead_block_hashes; default: "
+                        "lookahead hashes, as vLLM resolves them for connectors that support them)")
     p.add_argument("--no-check-loads", action="store_true", help="skip checking loaded block contents (faster)")
     p.add_argument("--offload-config", type=_offload_config, default={},
                    help='JSON object of kv_connector_extra_config keys for the offload columns, e.g. '
@@ -668,6 +681,7 @@ def _engine_settings(args: argparse.Namespace, model: str, md: ModelDefaults, td
         time_scale=pick(args.time_scale, td.time_scale), check_loads=not args.no_check_loads,
         offload_extra=tuple(sorted(args.offload_config.items())), time_model=time_model,
         pipeline_parallel_size=pp, num_speculative_tokens=spec_k,
+        lookahead_block_hashes=not getattr(args, "disable_lookahead_block_hashes", False),
         max_num_inflight_kv_loads=getattr(args, "max_num_inflight_kv_loads", None))
 
 

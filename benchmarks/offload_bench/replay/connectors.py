@@ -54,6 +54,9 @@ class EngineSettings:
     # drafts per step (speculative decoding as DeepSeek V4's MTP: sim.layouts.attach_mtp; 0: off).
     pipeline_parallel_size: int = 1
     num_speculative_tokens: int = 0
+    # vLLM 0.34 with MTP: block hashes that also cover the drafter's next tokens, so no hit drops its last block
+    # (False: the speculative config's `disable_lookahead_block_hashes`; every column of a run alike).
+    lookahead_block_hashes: bool = True
     # vLLM 0.34's --max-num-inflight-kv-loads (None: unset): loads may start while the running batch is full, up to
     # this many in flight, for a connector whose `may_load_async` says so (ours does; vLLM's connectors do not).
     max_num_inflight_kv_loads: int | None = None
@@ -104,7 +107,8 @@ class ReplayEngine:
                                max_num_seqs=settings.max_num_seqs, num_gpu_blocks=settings.num_gpu_blocks,
                                kv_transfer_config=kv_transfer_config,
                                pipeline_parallel_size=settings.pipeline_parallel_size,
-                               num_speculative_tokens=settings.num_speculative_tokens)
+                               num_speculative_tokens=settings.num_speculative_tokens,
+                               lookahead_block_hashes=settings.lookahead_block_hashes)
         if settings.max_num_inflight_kv_loads is not None:
             vc.scheduler_config.max_num_inflight_kv_loads = settings.max_num_inflight_kv_loads
         self.vllm_config = vc

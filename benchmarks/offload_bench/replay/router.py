@@ -139,7 +139,7 @@ Progress = Callable[[str, int, int, dict[str, Any]], None]
 
 def run_column(column: str, records: Sequence[TraceRecord], cfg: RouterConfig,
                progress: Progress | None = None) -> RunOutput:
-    from offload_bench.sim.requests import make_request
+    from offload_bench.sim.requests import hash_lookahead, make_request
 
     engines, pool = build_column(column, cfg)
     wall0 = time.time()
@@ -157,7 +157,8 @@ def run_column(column: str, records: Sequence[TraceRecord], cfg: RouterConfig,
             _, rid, rec = e.arrivals[e.next]
             c = clip_to_model(rec, cfg.max_model_len)
             toks = prompts.build(rec, c.input_length, c.output_length)
-            e.eng.add(make_request(rid, toks, c.output_length, e.eng.sim.hash_block_size), record_phase(rec))
+            e.eng.add(make_request(rid, toks, c.output_length, e.eng.sim.hash_block_size,
+                                   hash_lookahead_tokens=hash_lookahead(e.eng.sched)), record_phase(rec))
             e.next += 1
 
     def when(e: RouterEngine) -> float:

@@ -79,7 +79,7 @@ def run_connector(kind: str, records: Sequence[TraceRecord], cfg: ReplayConfig,
     # Building the scheduler is timed apart: the first build in a process also pays vLLM's model inspection.
     eng = ReplayEngine(kind, cfg, clock)
     wall0 = time.time()
-    from offload_bench.sim.requests import make_request
+    from offload_bench.sim.requests import hash_lookahead, make_request
 
     prompts = PromptBuilder(cfg.seed)
     t0 = records[0].timestamp_ms if records else 0.0
@@ -95,7 +95,8 @@ def run_connector(kind: str, records: Sequence[TraceRecord], cfg: ReplayConfig,
             t_arr, rec = arrivals[nxt]
             c = clip_to_model(rec, cfg.max_model_len)
             toks = prompts.build(rec, c.input_length, c.output_length)
-            eng.add(make_request(f"r{nxt}", toks, c.output_length, eng.sim.hash_block_size), record_phase(rec))
+            eng.add(make_request(f"r{nxt}", toks, c.output_length, eng.sim.hash_block_size,
+                                 hash_lookahead_tokens=hash_lookahead(eng.sched)), record_phase(rec))
             nxt += 1
         if not eng.busy():
             if nxt >= total:

@@ -72,7 +72,7 @@ def attach_speculative_config(vllm_config: Any, method: str, num_speculative_tok
     """
     from vllm.config import SpeculativeConfig
 
-    from offload_bench.sim.layouts import model_dir
+    from offload_bench.sim.layouts import model_dir, resolve_hash_lookahead
 
     if method not in SPEC_METHODS:
         raise ValueError(f"speculative method {method!r} is not simulated; use one of {sorted(SPEC_METHODS)}")
@@ -84,6 +84,7 @@ def attach_speculative_config(vllm_config: Any, method: str, num_speculative_tok
     else:
         kw["model"] = model_dir("tiny-llama")
     vllm_config.speculative_config = SpeculativeConfig(**kw)
+    resolve_hash_lookahead(vllm_config)  # EAGLE on 0.34: hashes cover the drafter's next token (our connector opts in)
     assert vllm_config.num_speculative_tokens == num_speculative_tokens
     return vllm_config.speculative_config
 

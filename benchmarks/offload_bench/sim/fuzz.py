@@ -9,7 +9,7 @@ from typing import Any
 from offload_bench.sim.custom import GroupDesc, build_custom, cold_need
 from offload_bench.sim.driver import LoadContentError, SchedulerDriver
 from offload_bench.sim.peaks import PeakChecker
-from offload_bench.sim.requests import make_request, tokens
+from offload_bench.sim.requests import hash_lookahead, make_request, tokens
 from offload_bench.sim.scenarios import connector_config
 from offload_bench.sim.tagcopy import TagCopier
 
@@ -181,10 +181,12 @@ def run_case(case: FuzzCase, max_steps: int = 20_000) -> FuzzOutcome:
     batches = int(getattr(sched.vllm_config, "max_concurrent_batches", assumed) or assumed)
     if batches > assumed:
         sched, hash_bs = build(batches)
+    lookahead = hash_lookahead(sched)
     peaks = PeakChecker()
     drv = SchedulerDriver(sched, TagCopier(case.latency_steps), spec_seed=case.seed, peaks=peaks)
     base = [tokens(case.seed + s, first) for s, (first, _, _, _) in enumerate(case.sessions)]
-    drv.add([make_request(f"w{s}", base[s], mt, hash_bs) for s, (_, mt, _, _) in enumerate(case.sessions)])
+    drv.add([make_request(f"w{s}", base[s], mt, hash_bs, hash_lookahead_tokens=lookahead)
+             for s, (_, mt, _, _) in enumerate(case.sessions)])
     idle_run = [0]
     waits = _Waits()
 
@@ -215,7 +217,7 @@ def run_case(case: FuzzCase, max_steps: int = 20_000) -> FuzzOutcome:
             warm = sched.requests.get(f"w{s}")
             history = base[s] + [7] * mt  # the simulated model samples token 7
             prompt = history[:keep] + tokens(case.seed + 1000 + s, new)
-            returning.append(make_request(f"r{s}", prompt, mt, hash_bs))
+            returning.append(make_request(f"r{s}", prompt, mt, hash_bs, hash_lookahead_tokens=lookahead))
             del warm
         pending = list(zip(case.return_gaps, returning))
         while pending or drv.busy():

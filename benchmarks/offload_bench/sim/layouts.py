@@ -95,6 +95,7 @@ def build_vllm_config(
     num_speculative_tokens: int = 0,
     enable_prefix_caching: bool = True,
     pipeline_parallel_size: int = 1,
+    lookahead_block_hashes: bool = True,
 ) -> VllmConfig:
     """A VllmConfig as a CUDA deployment would have it, with the CPU platform's overrides undone.
 
@@ -102,7 +103,8 @@ def build_vllm_config(
     '{"method": "mtp", ...}'`), for models whose MTP draft layers `mtp_draft_specs` knows (DeepSeek V4); any other
     model raises UnsupportedModelError. `pipeline_parallel_size`: how many batches vLLM keeps in flight
     (`max_concurrent_batches`, which the drivers' batch queue and the connector's in-flight bound read); the stages'
-    split of the layers is not simulated (one worker holds every layer).
+    split of the layers is not simulated (one worker holds every layer). `lookahead_block_hashes` False: the MTP
+    config's `disable_lookahead_block_hashes` (vLLM 0.34; earlier releases have no lookahead hashes).
     """
     # A replay sends token ids only: multimodal models (Gemma 3, Llama 4) run as their language model, as with
     # `--language-model-only` (no processor, which would need a tokenizer; the vision tower owns no KV cache).
@@ -139,7 +141,7 @@ def build_vllm_config(
     # it; the scheduler and the connector only read the resulting max_concurrent_batches.
     vc.parallel_config.pipeline_parallel_size = pipeline_parallel_size
     if num_speculative_tokens:
-        attach_mtp(vc, num_speculative_tokens)
+        attach_mtp(vc, num_speculative_tokens, lookahead_block_hashes=lookahead_block_hashes)
     return vc
 
 
@@ -147,7 +149,7 @@ def _is_deepseek_v4(vc: VllmConfig) -> bool:
     return getattr(vc.model_config.hf_config, "model_type", None) == "deepseek_v4"
 
 
-def attach_mtp(vc: VllmConfig, num_speculative_tokens: int) -> None:
+def attach_mtp(vc: VllmConfig, num_speculative_tokens: int, lookahead_block_hashes: bool = True) -> None:
     """The SpeculativeConfig `--speculative-config '{"method": "mtp", "num_speculative_tokens": K}'` gives: vLLM
     resolves the draft from the target's own config.json (DeepSeek V4: `DeepSeekV4MTPModel`, `n_predict` =
     `num_nextn_predict_layers`), offline. The scheduler and the connector read it through VllmConfig's properties
@@ -157,9 +159,22 @@ def attach_mtp(vc: VllmConfig, num_speculative_tokens: int) -> None:
     if not _is_deepseek_v4(vc):
         raise UnsupportedModelError(f"{_architecture(vc)}: speculative decoding is simulated only as DeepSeek V4's "
                                     f"MTP (its draft layers' KV caches are known); not for this model")
+    kw: dict[str, Any] = {}
+    if "disable_lookahead_block_hashes" in getattr(SpeculativeConfig, "__dataclass_fields__", {}):
+        kw["disable_lookahead_block_hashes"] = not lookahead_block_hashes
     vc.speculative_config = SpeculativeConfig(method="mtp", num_speculative_tokens=num_speculative_tokens,
                                               model=vc.model_config.model, target_model_config=vc.model_config,
-                                              target_parallel_config=vc.parallel_config)
+                                              target_parallel_config=vc.parallel_config, **kw)
+    resolve_hash_lookahead(vc)
+
+
+def resolve_hash_lookahead(vc: VllmConfig) -> None:
+    """vLLM 0.34 resolves the block hashes' lookahead at the end of `VllmConfig.__post_init__`, from the speculative
+    config and the connector's `supports_lookahead_block_hashes`; a speculative config attached after construction
+    (as the simulation does) needs it resolved again. Before 0.34 there is nothing to resolve."""
+    resolve = getattr(vc, "_resolve_num_hash_lookahead_tokens", None)
+    if resolve is not None:
+        vc.num_hash_lookahead_tokens = resolve()
 
 
 def mtp_draft_specs(vc: VllmConfig, target: dict[str, KVCacheSpec]) -> dict[str, KVCacheSpec]:
