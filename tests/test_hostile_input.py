@@ -556,13 +556,15 @@ def test_checks_that_need_vllm_and_valid_runs(files: dict[str, str], tmp_path: P
     assert time.monotonic() - t0 < 900
 
 
-def test_the_inflight_load_cap_needs_vllm_034() -> None:
-    """`--max-num-inflight-kv-loads` exists from vLLM 0.34: before it, one line and exit 2 (checked before the run)."""
+@pytest.mark.parametrize("flags", [("--max-num-inflight-kv-loads", "2"), ("--disable-lookahead-block-hashes",)])
+def test_flags_of_vllm_034_need_vllm_034(flags: tuple[str, ...]) -> None:
+    """`--max-num-inflight-kv-loads` and lookahead block hashes exist from vLLM 0.34: before it, one line naming the
+    flag and exit 2 (checked before the run)."""
     from offload_bench.sim.vllm_compat import has_inflight_load_cap
     if has_inflight_load_cap():
-        pytest.skip("vLLM 0.34 takes the cap (tests/test_replay_* run it)")
-    proc = subprocess.run(_sub("replay", "--max-num-inflight-kv-loads", "2", "--no-progress"), cwd=ROOT,
+        pytest.skip("vLLM 0.34 takes them (tests/test_replay_* and tests/test_lookahead_hashes.py run them)")
+    proc = subprocess.run(_sub("replay", *flags, "--no-progress"), cwd=ROOT,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2 and proc.stdout == "", proc
     lines = proc.stderr.strip().splitlines()
-    assert len(lines) == 1 and "needs vLLM >= 0.34" in lines[0], proc.stderr
+    assert len(lines) == 1 and f"{flags[0]} needs vLLM >= 0.34" in lines[0], proc.stderr

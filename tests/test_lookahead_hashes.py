@@ -109,3 +109,18 @@ def test_blocks_are_keyed_with_their_next_token_and_the_next_turn_loads_them_all
     _drain(drv)
     loads = [a for a in side.admissions if a.request_id == "x" and a.free_after is not None]
     assert loads and loads[0].plan.hit_tokens == PROMPT - BLOCK
+
+
+@needs_034
+@pytest.mark.parametrize("on", [True, False])
+def test_the_replay_builds_deepseek_mtp_with_and_without_lookahead_hashes(on: bool) -> None:
+    """`offload-connector replay --disable-lookahead-block-hashes` (DeepSeek V4's MTP) is vLLM's own switch."""
+    from offload_bench.sim.layouts import build_vllm_config
+    from offload_bench.sim.scenarios import connector_config
+
+    vc = build_vllm_config("deepseek-v4-flash", max_model_len=65536, max_num_batched_tokens=1024, num_gpu_blocks=4000,
+                           kv_transfer_config=connector_config("exact", 1 << 30), num_speculative_tokens=2,
+                           lookahead_block_hashes=on)
+    assert vc.speculative_config.disable_lookahead_block_hashes is (not on)
+    assert vc.num_hash_lookahead_tokens == (1 if on else 0)
+    assert reprefillable_tokens(vc) == 0  # one MTP module: the drafter reads one token ahead, nothing re-prefilled
