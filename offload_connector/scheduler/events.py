@@ -25,17 +25,23 @@ Hashes are converted as the GPU pool converts them (`maybe_convert_block_hash`: 
 
 from __future__ import annotations
 
-from typing import Any, Callable, Sequence
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 from offload_connector.groups import GroupInfo
 from offload_connector.keys import BlockKey
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.distributed.kv_events import BlockStored, KVCacheEvent
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.request import Request
 
 MEDIUM = "CPU"
 
 Key = BlockKey
 
 
-def events_enabled(vllm_config: Any) -> bool:
+def events_enabled(vllm_config: VllmConfig) -> bool:
     cfg = getattr(vllm_config, "kv_events_config", None)
     return bool(cfg is not None and getattr(cfg, "enable_kv_cache_events", False))
 
@@ -43,7 +49,8 @@ def events_enabled(vllm_config: Any) -> bool:
 class TierEvents:
     """Pending CPU-tier events, in the order they happened, drained by `take()` once per step."""
 
-    def __init__(self, enabled: bool, groups: Sequence[GroupInfo], kv_cache_config: Any = None) -> None:
+    def __init__(self, enabled: bool, groups: Sequence[GroupInfo],
+                 kv_cache_config: KVCacheConfig | None = None) -> None:
         self.enabled = enabled
         self.groups = list(groups)
         self._pending: list[Any] = []  # BlockStored, or [group, hashes] for removals coalesced per group
@@ -72,8 +79,8 @@ class TierEvents:
         return bool(self._pending)
 
     # ------------------------------------------------------------------ stores
-    def describe_store(self, request: Any, blocks: Sequence[tuple[int, int]],
-                       key_of: Callable[[int, int], Key]) -> list[Any] | None:
+    def describe_store(self, request: Request, blocks: Sequence[tuple[int, int]],
+                       key_of: Callable[[int, int], Key]) -> list[BlockStored] | None:
         """The `BlockStored` events for a store job of `request`: `blocks` are its (group, block index) pairs.
 
         Built when the job is planned (the request may be gone when the copy lands) and published by `stored()`."""
@@ -123,7 +130,7 @@ class TierEvents:
                 events.append(self._stored_cls(**fields))
         return events
 
-    def stored(self, events: list[Any] | None) -> None:
+    def stored(self, events: list[BlockStored] | None) -> None:
         """A store job's blocks became readable: publish what `describe_store` built for it."""
         if self.enabled and events:
             self._pending.extend(events)
@@ -141,7 +148,7 @@ class TierEvents:
             self._pending.append([group, [self._convert(block_hash)]])
 
     # ------------------------------------------------------------------- drain
-    def take(self) -> list[Any]:
+    def take(self) -> list[KVCacheEvent]:
         """Everything since the last call, oldest first (the connector's `take_events()`)."""
         if not self._pending:
             return []

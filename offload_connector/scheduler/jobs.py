@@ -9,12 +9,16 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Callable, Hashable, Iterable, Mapping
+from typing import TYPE_CHECKING, Any, Callable, Hashable, Iterable, Mapping
 
 from offload_connector.metadata import TransferJob
 from offload_connector.scheduler.events import TierEvents
 from offload_connector.scheduler.state import ReqState
 from offload_connector.scheduler.tier_index import TierIndex
+
+if TYPE_CHECKING:
+    from vllm.distributed.kv_events import BlockStored
+    from vllm.v1.core.sched.output import SchedulerOutput
 
 
 @dataclass
@@ -26,7 +30,7 @@ class LoadState:
     # load lands), and what to tell each second tier when the load finishes: callback(read, ok, retired).
     promoted: list[Hashable] = field(default_factory=list)
     read_back: list[tuple[Callable[[Any, bool, bool], None], Any]] = field(default_factory=list)
-    events: list[Any] | None = None  # BlockStored events of the promoted entries, published when the load lands
+    events: list[BlockStored] | None = None  # BlockStored events of the promoted entries, published when the load lands
 
 
 @dataclass
@@ -57,7 +61,7 @@ class JobBook:
         self.job_blocks: dict[int, tuple[int, ...]] = {}  # store job -> GPU blocks it reads
         self.block_readers: dict[int, set[int]] = {}  # GPU block -> store jobs still reading it
         # A store job's BlockStored events are built when it is planned, published when it lands.
-        self.store_events: dict[int, list[Any]] = {}
+        self.store_events: dict[int, list[BlockStored]] = {}
         # Jobs issued before the last reset_cache(): their tier entries are retired (see TierIndex.clear); when
         # they finish they release their slots instead of publishing or unpinning entries.
         self.retired_store_slots: dict[int, tuple[int, ...]] = {}
@@ -80,11 +84,11 @@ class JobBook:
 
     def add_load(self, job: TransferJob, keys: list[Hashable], tokens: int, promoted: list[Hashable] | None = None,
                  read_back: list[tuple[Callable[[Any, bool, bool], None], Any]] | None = None,
-                 events: list[Any] | None = None) -> None:
+                 events: list[BlockStored] | None = None) -> None:
         self.loads[job.request_id] = LoadState(job, keys, tokens, promoted or [], read_back or [], events)
         self.pending_loads.append(job)
 
-    def add_store(self, job: TransferJob, keys: list[Hashable], events: list[Any] | None) -> None:
+    def add_store(self, job: TransferJob, keys: list[Hashable], events: list[BlockStored] | None) -> None:
         self.store_jobs[job.job_id] = StoreState(job.request_id, keys)
         if events is not None:
             self.store_events[job.job_id] = events
@@ -113,7 +117,7 @@ class JobBook:
         self.pending_loads, self.pending_stores, self.delayed_free = [], [], []
         return out
 
-    def fences(self, scheduler_output: Any) -> tuple[int, ...]:
+    def fences(self, scheduler_output: SchedulerOutput) -> tuple[int, ...]:
         """Store jobs still reading a block that this step allocates afresh (freed by a window move, reused)."""
         if not self.block_readers:
             return ()
