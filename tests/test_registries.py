@@ -62,3 +62,25 @@ def test_eviction_registry_is_the_list_config_accepts() -> None:
     for name, cls in BUILTIN_POLICIES.items():
         assert issubclass(cls, EvictionPolicy) and cls.name == name
         assert Path(inspect.getfile(cls)).parent == pkg  # one module per policy, in the package
+
+
+def test_both_second_tiers_keep_the_worker_contract() -> None:
+    """`worker/side.py` calls a second tier only through `WorkerSecondTier`; each one implements all of it, and the
+    read handles they return implement `ReadHandle`."""
+    import inspect
+
+    from offload_connector.disk.store import DiskIO
+    from offload_connector.worker.disk_io import WorkerDiskTier
+    from offload_connector.worker.remote_io import FetchIO, WorkerRemoteTier
+    from offload_connector.worker.second_tier import ReadHandle, WorkerSecondTier
+
+    for contract, impls in ((WorkerSecondTier, (WorkerDiskTier, WorkerRemoteTier)), (ReadHandle, (DiskIO, FetchIO))):
+        members = [n for n in vars(contract) if not n.startswith("_")]
+        assert members
+        for impl in impls:
+            for name in members:
+                assert hasattr(impl, name), f"{impl.__name__} lacks {contract.__name__}.{name}"
+                want, got = getattr(contract, name), getattr(impl, name)
+                if inspect.isfunction(want):
+                    assert list(inspect.signature(got).parameters) == list(inspect.signature(want).parameters), \
+                        (impl.__name__, name)

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Any, Sequence
 
 from offload_connector.compat import lookahead_note, vllm_release
 from offload_connector.disk import DiskFingerprint
@@ -19,6 +19,9 @@ from offload_connector.disk.placement import disk_budget, disk_slots, rank_dir
 from offload_connector.log import get_logger
 from offload_connector.metadata import TierWrite, OffloadMetadata, TransferJob
 from offload_connector.tier_auth import mac_key_from_file
+
+if TYPE_CHECKING:
+    from offload_connector.disk.store import DiskIO
 
 logger = get_logger(__name__)
 
@@ -107,7 +110,7 @@ class WorkerDiskTier:
         self._writes[write.job_id] = [self.store.write(key, self._slot(key, slot))
                                       for key, slot in zip(write.keys, write.host_slots)]
 
-    def read_back(self, job: TransferJob) -> list[Any]:
+    def read_back(self, job: TransferJob) -> list[DiskIO]:
         """Start reading `job`'s disk keys into their CPU-tier slots; one `DiskIO` handle per block."""
         return [self.store.read(key, self._slot(key, slot)) for key, slot in zip(job.disk_keys, job.disk_slots)]
 

@@ -12,7 +12,7 @@ frees its blocks.
 from __future__ import annotations
 
 import time
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable
 
 import torch
 
@@ -22,7 +22,14 @@ from offload_connector.log import get_logger
 from offload_connector.metadata import OffloadMetadata, OffloadWorkerMetadata, TransferJob
 from offload_connector.metrics import OffloadStats, OffloadStatsSink, counts_blocks_here
 from offload_connector.worker.layout import KVLayout, build_layout, host_views
+from offload_connector.worker.second_tier import ReadHandle, WorkerSecondTier
 from offload_connector.worker.transfers import TransferEngine
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+    from offload_connector.worker.remote_io import WorkerRemoteTier
 
 logger = get_logger(__name__)
 
@@ -62,7 +69,7 @@ class OffloadWorker:
     without a byte of KV cache or host tier being allocated, and `clock` (simulated time) for the transfer engine's
     estimate of when loads land."""
 
-    def __init__(self, config: OffloadConfig, vllm_config: Any, kv_cache_config: Any, *,
+    def __init__(self, config: OffloadConfig, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, *,
                  copier_factory: CopierFactory | None = None,
                  host_tier_factory: HostTierFactory | None = None,
                  clock: Callable[[], float] | None = None) -> None:
@@ -89,13 +96,14 @@ class OffloadWorker:
         self._stores_failed: list[int] = []
         self._held_loads: list[tuple[int, str, bool]] = []  # (steps left, request, ok): debug_load_delay_steps
         self.num_slots = 0
-        self.disk: Any = None  # worker.disk_io.WorkerDiskTier when the disk tier is on
-        self.remote: Any = None  # worker.remote_io.WorkerRemoteTier when the shared tier is on
+        self.disk: WorkerSecondTier | None = None  # worker.disk_io.WorkerDiskTier when the disk tier is on
+        # The shared tier also takes the scheduler's epoch (a reset of the namespace), hence its own type.
+        self.remote: WorkerRemoteTier | None = None
         self._remote_epoch = 0
         # Loads waiting for their blocks to come back from disk or the shared tier: (job, completion handles).
-        self._reading: list[tuple[TransferJob, list[Any], float]] = []  # (job, read handles, started)
+        self._reading: list[tuple[TransferJob, list[ReadHandle], float]] = []  # (job, read handles, started)
         # Reads of loads failed by load_timeout_s that have not returned: they may still write their CPU-tier slots.
-        self._abandoned: list[tuple[TransferJob, list[Any]]] = []
+        self._abandoned: list[tuple[TransferJob, list[ReadHandle]]] = []
         self._reads_abandoned: list[int] = []
         self._reads_settled: list[int] = []
         self._disk_done: list[int] = []
@@ -121,7 +129,7 @@ class OffloadWorker:
                            "(test aid)", config.debug_copy_delay_s)
 
     # ------------------------------------------------------------------ set-up
-    def register_kv_caches(self, kv_caches: dict[str, Any]) -> None:
+    def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
         from offload_connector.kernels import make_copier
 
         layout, views = build_layout(kv_caches, self.kv_cache_config)
@@ -264,7 +272,7 @@ class OffloadWorker:
                     del self._stores_of[rid]
 
     def _start_reads(self, job: TransferJob) -> None:
-        handles: list[Any] = []
+        handles: list[ReadHandle] = []
         missing = [name for name, keys, tier in (("disk", job.disk_keys, self.disk),
                                                  ("shared", job.remote_keys, self.remote)) if keys and tier is None]
         if missing:  # the scheduler and this worker disagree on the tiers: fail the load, never copy a partial one
