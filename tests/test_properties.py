@@ -65,6 +65,21 @@ def test_exact_ledger_properties(case):
     assert outcome.starved == []
 
 
+def test_a_loaded_request_refused_by_vllms_own_inflight_reservation_is_not_a_connector_idle_step() -> None:
+    """Found by the property test on vLLM 0.34: under PP 4 with GPU n-gram drafts, a request whose 16-token load
+    landed waits with 12 blocks free while vLLM's own reservation for in-flight prefills refuses its next chunk and
+    the three running requests wait for their batches. The connector held nothing back; its only reservation is that
+    request's own. The step is vLLM's, and the fuzz counts it so (it counted any reservation as the connector's)."""
+    case = FuzzCase(groups=(("sliding", 16, 16),), max_num_batched_tokens=64, pool_factor=1.25,
+                    sessions=((321, 1, 16, 193), (40, 2, 0, 65), (40, 2, 0, 33), (40, 2, 0, 81)),
+                    reset_prefix_cache=False, return_gaps=(0, 0, 0, 0), latency_steps=1, seed=0, num_spec_tokens=1,
+                    spec_method="ngram_gpu", pipeline_parallel_size=4)
+    outcome = run_case(case)
+    assert outcome.mismatches == [] and outcome.peak_violations == [] and outcome.stalls == 0
+    assert outcome.idle_zero_steps == 0 and outcome.undrained == 0 and outcome.starved == []
+    assert outcome.admissions >= 1
+
+
 def test_pipeline_parallel_cases_load_and_keep_their_reservations() -> None:
     """Under pipeline parallelism vLLM keeps `pp` batches in flight (the driver's batch queue and the ledger's
     in-flight bound both follow `max_concurrent_batches`), and every stage's worker reports each store: a returning

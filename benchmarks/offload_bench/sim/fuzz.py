@@ -12,6 +12,7 @@ from offload_bench.sim.peaks import PeakChecker
 from offload_bench.sim.requests import hash_lookahead, make_request, tokens
 from offload_bench.sim.scenarios import connector_config
 from offload_bench.sim.tagcopy import TagCopier
+from offload_bench.sim.vllm_compat import blocked_waiting_ids, first_chunk_fits
 
 
 @dataclass(frozen=True)
@@ -36,7 +37,9 @@ class FuzzOutcome:
     loads_peak_checked: int = 0
     stalls: int = 0
     idle_zero_steps: int = 0  # no token scheduled, requests waiting, nothing in flight, and the connector held one
-    # The same, with the connector holding nothing back (it answered every lookup, reserved nothing): vLLM's own. 0.34
+    # back, or its reservations could have let a waiting request run.
+    # The same, with the connector holding nothing back (it answered every lookup, its reservations kept no waiting
+    # request out): vLLM's own. 0.34
     # leaves small pools idle a step or two under PP with speculative decoding (e.g. 2 free blocks, a request
     # waiting for its drafts, the next one for 3 blocks), with or without a connector's verdict in it.
     vllm_idle_steps: int = 0
@@ -199,7 +202,17 @@ def run_case(case: FuzzCase, max_steps: int = 20_000) -> FuzzOutcome:
             idle_run[0] = 0
             return
         idle_run[0] += 1
-        if c.deferrals + c.held_for_older + c.not_started > held_before or drv.side.snapshot().reserved_blocks:
+        # The connector's doing only if a waiting request vLLM could have run this step was kept out by it: held
+        # back this step (deferred, held for an older load, not started), or waiting while the connector keeps
+        # blocks reserved for another request's load. A request's own reservation never keeps it out; a request
+        # whose next chunk does not fit vLLM's free pool could not have run with or without a verdict (vLLM 0.34
+        # under PP with drafts idles small pools so: its running requests wait for their batches); and with no
+        # request waiting, the running requests were not scheduled for another reason (one short of blocks is
+        # preempted into a waiting queue).
+        held = c.deferrals + c.held_for_older + c.not_started > held_before
+        rows = drv.side.snapshot().rows
+        runnable = [rid for rid in blocked_waiting_ids(sched) if first_chunk_fits(sched, sched.requests[rid])]
+        if runnable and (held or any(sum(r.remaining) and set(runnable) - {r.request_id} for r in rows)):
             outcome.idle_zero_steps += 1
         else:
             outcome.vllm_idle_steps += 1

@@ -28,6 +28,33 @@ def waiting_count(sched: Any) -> int:
     return sum(len(getattr(sched, name, ()) or ()) for name in ("waiting", "kv_holding_waiting", "async_kv_waiting"))
 
 
+def blocked_waiting_ids(sched: Any) -> set[str]:
+    """Waiting requests vLLM could schedule if it had the blocks: those of `waiting_count` but the ones whose KV is
+    still loading (`WAITING_FOR_REMOTE_KVS`, which wait for their load whatever the pool holds). A preempted request
+    goes back to a waiting queue, so a running request that could not get its blocks is among them too."""
+    from vllm.v1.request import RequestStatus
+
+    return {r.request_id for name in ("waiting", "kv_holding_waiting", "async_kv_waiting")
+            for r in (getattr(sched, name, ()) or ()) if r.status != RequestStatus.WAITING_FOR_REMOTE_KVS}
+
+
+def first_chunk_fits(sched: Any, request: Any) -> bool:
+    """Whether vLLM's free pool holds the blocks of `request`'s next chunk if it were scheduled now without any
+    external tokens (its GPU prefix-cache hit counted, vLLM's own watermark and in-flight reservations not: an upper
+    bound on what vLLM could schedule). A request that fails this could not have run this step with or without a
+    connector's verdict."""
+    coord = sched.kv_cache_manager.coordinator
+    if request.num_computed_tokens:
+        local, blocks = request.num_computed_tokens, tuple([] for _ in coord.single_type_managers)
+    else:
+        blocks, local = coord.find_longest_cache_hit(request.block_hashes, request.num_tokens - 1)[:2]
+    new = min(request.num_tokens - local, sched.scheduler_config.max_num_batched_tokens)
+    lookahead = int(getattr(sched, "num_lookahead_tokens", 0) or 0)
+    need = coord.get_num_blocks_to_allocate(request.request_id, local + new + lookahead, blocks, 0, local, local,
+                                            local + new)
+    return need <= sched.kv_cache_manager.block_pool.get_num_free_blocks()
+
+
 @contextmanager
 def cpu_configs() -> Iterator[None]:
     """Lets vLLM build a config for the CPU platform on an x86 machine without triton-cpu.
