@@ -58,7 +58,7 @@ class StorePlanner:
         keys = layout.keys(request)
         # A block is stored once its KV is final and it has a key: with vLLM 0.34's lookahead hashes (EAGLE/MTP) the
         # key of a block exists only once the tokens its drafter KV reads are known, which `hashed_tokens` follows.
-        done = min(computed - layout.reprefillable_tokens, keys.hashed_tokens())
+        done = max(0, min(computed - layout.reprefillable_tokens, keys.hashed_tokens()))
         groups_, gpu, keylist, positions = [], [], [], []  # positions: token just past each block
 
         def ids_for(g: GroupInfo) -> list[int] | None:
