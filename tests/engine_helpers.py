@@ -51,7 +51,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Any
+from typing import Any, Callable
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -137,10 +137,19 @@ def run_engine(script: dict[str, Any], timeout: float = 300.0, log_dir: str | os
         if rc != 0 or not op.exists():
             raise EngineRunError(f"engine run failed (exit {rc})\n{_tail(lp)}")
         result = json.loads(op.read_text())
-        changed = (result.get("kv_trace") or {}).get("changed")
+        trace = result.get("kv_trace") or {}
+        changed = trace.get("changed")
         if changed:
             raise EngineRunError(f"KV blocks changed while their request held them (OC_KV_TRACE): {changed[:5]}\n"
                                  f"{_tail(lp)}")
+        first = trace.get("first") or {}
+        for when, what in (("read", "the forward read it before its load landed, or it was written during the forward"),
+                           ("written", "it was written between the forward that computed it and the next step")):
+            odd = [(key, seen[2], first[key][2]) for key, seen in (trace.get(when) or {}).items()
+                   if key in first and seen[2] != first[key][2]]
+            if odd:
+                raise EngineRunError(f"KV block hashes differ between the forward pass ({when}) and the next step "
+                                     f"(OC_KV_TRACE): {what}: {odd[:5]}\n{_tail(lp)}")
         result["log_tail"] = _tail(lp, 4000)
         if full_log:
             result["log"] = lp.read_text(errors="replace")
@@ -360,25 +369,34 @@ def _child(script_path: str, out_path: str) -> None:
 
     # With OC_KV_TRACE set, every full block a request has computed is hashed before each step (per group, per
     # layer): a block whose bytes change while its request holds it was written from outside the forward, and the
-    # first hashes compare across engines (the same prompt without the connector).
-    kv_trace: dict[str, Any] | None = {"first": {}, "changed": []} if os.environ.get("OC_KV_TRACE") else None
+    # first hashes compare across engines (the same prompt without the connector). The forward pass is traced too:
+    # on entry, the blocks it reads (computed before this step, loaded ones included: the schedule-time hash cannot
+    # see a load before the forward that first reads it), and on exit the blocks it completed, before any store
+    # reads them. A block that differs from another engine's then says which of the three wrote it: the forward
+    # ("written" differs), something between the forward and the next step ("written" != "first"), or a load that
+    # had not landed when the forward read it ("read" != "first").
+    kv_trace: dict[str, Any] | None = ({"first": {}, "changed": [], "read": {}, "written": {}}
+                                       if os.environ.get("OC_KV_TRACE") else None)
+    last_output: list[Any] = [None]
 
-    def trace_kv() -> None:
+    def hash_blocks(into: dict[str, Any], upto: Callable[[str, Any], int], rids: Any) -> None:
         import torch
         ctx = engine.vllm_config.compilation_config.static_forward_context
         if kv_trace.get("skipped") or not all(name in ctx for g in kcc.kv_cache_groups for name in g.layer_names):
             # TP/PP: the KV caches live in the worker processes, out of this process's reach; not traced.
             kv_trace["skipped"] = "the KV cache is in worker processes (TP/PP)"
             return
-        for rid, req in list(sched.requests.items()):
-            if "REMOTE" in req.status.name:  # its load may still be landing: its blocks are not its own yet
+        for rid in rids:
+            req = sched.requests.get(rid)
+            if req is None:
                 continue
+            limit = upto(rid, req)
             ids = sched.kv_cache_manager.get_block_ids(rid)
             for g, blocks in enumerate(ids):
                 group = kcc.kv_cache_groups[g]
                 bs = group.kv_cache_spec.block_size
                 for i, blk in enumerate(blocks):
-                    if blk == 0 or (i + 1) * bs > req.num_computed_tokens:
+                    if blk == 0 or (i + 1) * bs > limit:
                         continue
                     h = hashlib.blake2b(digest_size=8)
                     for layer in group.layer_names:
@@ -387,15 +405,37 @@ def _child(script_path: str, out_path: str) -> None:
                         h.update(_block_view(kv, int(blk), kcc.num_blocks).contiguous().view(-1).view(torch.uint8)
                                  .numpy().tobytes())
                     key, digest = f"{rid}/{g}/{i}@{blk}", h.hexdigest()
-                    first = kv_trace["first"].setdefault(key, [step_no[0], int(blk), digest])
-                    if first[2] != digest and len(kv_trace["changed"]) < 200:
+                    first = into.setdefault(key, [step_no[0], int(blk), digest])
+                    if into is kv_trace["first"] and first[2] != digest and len(kv_trace["changed"]) < 200:
                         kv_trace["changed"].append({"step": step_no[0], "block": key, "id": int(blk),
                                                     "was": first[2], "now": digest, "hashed_at": first[0]})
+
+    def trace_kv() -> None:
+        # Requests still loading are skipped: their blocks are not their own until the load lands.
+        hash_blocks(kv_trace["first"], lambda rid, req: req.num_computed_tokens,
+                    [rid for rid, req in list(sched.requests.items()) if "REMOTE" not in req.status.name])
+
+    def scheduled(rid: str) -> int:
+        out = last_output[0]
+        return int(out.num_scheduled_tokens.get(rid, 0)) if out is not None else 0
+
+    def trace_forward(real_forward: Callable[..., Any]) -> Callable[..., Any]:
+        def forward(*a: Any, **k: Any) -> Any:
+            out = last_output[0]
+            if out is None or not out.num_scheduled_tokens:  # profiling and warm-up runs
+                return real_forward(*a, **k)
+            rids = list(out.num_scheduled_tokens)
+            hash_blocks(kv_trace["read"], lambda rid, req: req.num_computed_tokens - scheduled(rid), rids)
+            result = real_forward(*a, **k)
+            hash_blocks(kv_trace["written"], lambda rid, req: req.num_computed_tokens, rids)
+            return result
+        return forward
 
     def schedule(*a: Any, **k: Any) -> Any:
         if kv_trace is not None:
             trace_kv()
         out = orig_schedule(*a, **k)
+        last_output[0] = out
         step_tokens.append(int(out.total_num_scheduled_tokens))
         step_no[0] += 1
         if copies is not None:  # each request's KV blocks per group, whenever they change
@@ -406,6 +446,11 @@ def _child(script_path: str, out_path: str) -> None:
                     block_log.append({"step": step_no[0], "request": rid, "blocks": ids})
         return out
     sched.schedule = schedule
+    if kv_trace is not None:
+        worker = getattr(getattr(core.model_executor, "driver_worker", None), "worker", None)
+        model = getattr(getattr(worker, "model_runner", None), "model", None)
+        if model is not None:  # in-process worker (no TP/PP): nn.Module.__call__ looks forward up on the instance
+            model.forward = trace_forward(model.forward)
 
     external: dict[str, int] = {}
     sconn = getattr(sched, "connector", None)

@@ -40,7 +40,9 @@ def _prompt(seed: int) -> list[int]:
 
 
 def _gen(rid: str, prompt: list[int], max_tokens: int) -> dict:
-    return {"op": "generate", "requests": [{"id": rid, "prompt_token_ids": prompt, "max_tokens": max_tokens}],
+    # Top-2 log-probabilities per token: a divergence under the contention harness shows its greedy margin.
+    return {"op": "generate", "requests": [{"id": rid, "prompt_token_ids": prompt, "max_tokens": max_tokens,
+                                            "logprobs": 2}],
             "stall_steps": IDLE_OK, "stall_wall_s": IDLE_WALL_S}
 
 
