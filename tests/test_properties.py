@@ -80,6 +80,47 @@ def test_a_loaded_request_refused_by_vllms_own_inflight_reservation_is_not_a_con
     assert outcome.admissions >= 1
 
 
+def test_a_load_deferred_while_vllm_would_not_start_the_prompt_either_is_not_a_connector_idle_step() -> None:
+    """Found by the property test on vLLM 0.34 (block 16): under PP 4 with GPU n-gram drafts, two returning loads
+    (1,343 and 420 tokens, prompts of 1,787 and 1,358) wait for room while the one running request waits for its
+    batches, and the engine idles 4 steps. Each prompt's next chunk fits the free pool (63 blocks), but vLLM itself
+    starts a waiting request only when its whole sequence fits (`scheduler_reserve_full_isl`, its default), so
+    recomputing would have idled the same steps. The fuzz once counted such steps as the connector's."""
+    case = FuzzCase(groups=(("full", 32, 0), ("sliding", 32, 128), ("sliding", 32, 16)), max_num_batched_tokens=64,
+                    pool_factor=1.3429081114965364, sessions=((2152, 6, 2039, 954), (1599, 2, 1343, 444),
+                                                              (1118, 3, 420, 938)),
+                    reset_prefix_cache=False, return_gaps=(3, 3, 10), latency_steps=4, seed=375398269,
+                    num_spec_tokens=1, spec_method="ngram_gpu", pipeline_parallel_size=4)
+    outcome = run_case(case)
+    assert outcome.ok, outcome
+    assert outcome.admissions == 3
+
+
+def test_a_waiting_request_runs_only_if_vllm_would_give_it_blocks() -> None:
+    """The fuzz's model of what vLLM could have run: a next chunk that fits the free pool is not enough while vLLM
+    requires the whole sequence to fit (`scheduler_reserve_full_isl`), and is enough once that is off."""
+    from offload_bench.sim.custom import build_custom
+    from offload_bench.sim.requests import make_request, tokens
+    from offload_bench.sim.vllm_compat import first_chunk_fits
+
+    sched, hbs = build_custom((("full", 16, 0),), num_blocks=41, max_num_batched_tokens=64, max_model_len=2048,
+                              kv_transfer_config=None)
+    req = make_request("long", tokens(1, 1000), 1, hbs)  # 63 blocks through its prompt, 4 in its first chunk
+    sched.add_request(req)
+    assert sched.kv_cache_manager.block_pool.get_num_free_blocks() == 40
+    if not hasattr(sched.scheduler_config, "scheduler_reserve_full_isl"):  # 0.32 gates only the next chunk
+        assert first_chunk_fits(sched, req)
+        return
+    sched.scheduler_config.scheduler_reserve_full_isl = True
+    assert not first_chunk_fits(sched, req)
+    sched.scheduler_config.scheduler_reserve_full_isl = False
+    assert first_chunk_fits(sched, req)
+    short = make_request("short", tokens(2, 300), 1, hbs)  # 19 blocks through its prompt
+    sched.add_request(short)
+    sched.scheduler_config.scheduler_reserve_full_isl = True
+    assert first_chunk_fits(sched, short)
+
+
 def test_pipeline_parallel_cases_load_and_keep_their_reservations() -> None:
     """Under pipeline parallelism vLLM keeps `pp` batches in flight (the driver's batch queue and the ledger's
     in-flight bound both follow `max_concurrent_batches`), and every stage's worker reports each store: a returning

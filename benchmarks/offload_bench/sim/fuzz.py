@@ -202,17 +202,18 @@ def run_case(case: FuzzCase, max_steps: int = 20_000) -> FuzzOutcome:
             idle_run[0] = 0
             return
         idle_run[0] += 1
-        # The connector's doing only if a waiting request vLLM could have run this step was kept out by it: held
-        # back this step (deferred, held for an older load, not started), or waiting while the connector keeps
-        # blocks reserved for another request's load. A request's own reservation never keeps it out; a request
-        # whose next chunk does not fit vLLM's free pool could not have run with or without a verdict (vLLM 0.34
-        # under PP with drafts idles small pools so: its running requests wait for their batches); and with no
-        # request waiting, the running requests were not scheduled for another reason (one short of blocks is
-        # preempted into a waiting queue).
+        # The connector's doing only if a waiting request vLLM could have run this step was kept out by one of its
+        # verdicts this step (deferred, held for an older load, not started). Its reservations keep nothing out by
+        # themselves: vLLM does not see them, they only shape verdicts (an in-flight load's blocks vLLM does see,
+        # and a request they crowd out fails first_chunk_fits). A request vLLM would not give its next chunk's
+        # blocks (the chunk, or under `scheduler_reserve_full_isl` its whole sequence, does not fit the free pool)
+        # could not have run with or without a verdict: vLLM 0.34 under PP with drafts idles small pools so, its
+        # running requests waiting for their batches while the waiting ones' prompts do not fit. With no request
+        # waiting, the running requests were not scheduled for another reason (one short of blocks is preempted
+        # into a waiting queue).
         held = c.deferrals + c.held_for_older + c.not_started > held_before
-        rows = drv.side.snapshot().rows
         runnable = [rid for rid in blocked_waiting_ids(sched) if first_chunk_fits(sched, sched.requests[rid])]
-        if runnable and (held or any(sum(r.remaining) and set(runnable) - {r.request_id} for r in rows)):
+        if runnable and held:
             outcome.idle_zero_steps += 1
         else:
             outcome.vllm_idle_steps += 1

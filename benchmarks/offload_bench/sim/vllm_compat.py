@@ -39,20 +39,30 @@ def blocked_waiting_ids(sched: Any) -> set[str]:
 
 
 def first_chunk_fits(sched: Any, request: Any) -> bool:
-    """Whether vLLM's free pool holds the blocks of `request`'s next chunk if it were scheduled now without any
-    external tokens (its GPU prefix-cache hit counted, vLLM's own watermark and in-flight reservations not: an upper
-    bound on what vLLM could schedule). A request that fails this could not have run this step with or without a
-    connector's verdict."""
+    """Whether vLLM would give `request` the blocks of its next chunk if it were scheduled now without any external
+    tokens (its GPU prefix-cache hit counted): the chunk fits the free pool and, with `scheduler_reserve_full_isl`
+    (vLLM's default since 0.33), so does its whole sequence by vLLM's own arithmetic (its admission cap included, as
+    `allocate_slots` checks it before any chunk of a waiting request). vLLM's watermark and in-flight reservations
+    are not counted: an upper bound on what vLLM could schedule. A request that fails this could not have run this
+    step with or without a connector's verdict."""
     coord = sched.kv_cache_manager.coordinator
     if request.num_computed_tokens:
         local, blocks = request.num_computed_tokens, tuple([] for _ in coord.single_type_managers)
     else:
         blocks, local = coord.find_longest_cache_hit(request.block_hashes, request.num_tokens - 1)[:2]
+    free = sched.kv_cache_manager.block_pool.get_num_free_blocks()
+    if getattr(sched.scheduler_config, "scheduler_reserve_full_isl", False):
+        full = min(request.num_tokens, sched.max_model_len)
+        whole = coord.get_num_blocks_to_allocate(request.request_id, full, blocks, 0, local, local, full,
+                                                 apply_admission_cap=True,
+                                                 prefill_end=max(request.num_prompt_tokens, request.num_tokens - 1))
+        if whole > free:
+            return False
     new = min(request.num_tokens - local, sched.scheduler_config.max_num_batched_tokens)
     lookahead = int(getattr(sched, "num_lookahead_tokens", 0) or 0)
     need = coord.get_num_blocks_to_allocate(request.request_id, local + new + lookahead, blocks, 0, local, local,
                                             local + new)
-    return need <= sched.kv_cache_manager.block_pool.get_num_free_blocks()
+    return need <= free
 
 
 @contextmanager
