@@ -96,12 +96,29 @@ def test_a_load_deferred_while_vllm_would_not_start_the_prompt_either_is_not_a_c
     assert outcome.admissions == 3
 
 
+def test_a_request_held_behind_a_deferred_load_vllm_would_not_start_is_not_a_connector_idle_step() -> None:
+    """Found by the 10,000-example fuzz on vLLM 0.34 after the case above was settled: under PP 4 with GPU n-gram
+    drafts, an older returning load (a 3,400-token prompt) waits for room while the running request waits for its
+    batches, and fair admission holds a newer request back for it; the engine idles 4 steps. The newer request would
+    fit, but vLLM's own scan stops at the older one (it cannot give it blocks, and an allocation failure ends the
+    scan), so without any verdict the newer one would have waited the same steps."""
+    case = FuzzCase(groups=(("chunked", 32, 100), ("full", 32, 0)), max_num_batched_tokens=128,
+                    pool_factor=1.2714540538245709,
+                    sessions=((1947, 1, 1546, 711), (859, 1, 186, 702), (2524, 3, 2305, 1095), (1737, 5, 1193, 874),
+                              (1566, 3, 1373, 783)),
+                    reset_prefix_cache=True, return_gaps=(0, 0, 1, 0, 1), latency_steps=4, seed=507939538,
+                    num_spec_tokens=1, spec_method="ngram_gpu", pipeline_parallel_size=4)
+    outcome = run_case(case)
+    assert outcome.ok, outcome
+    assert outcome.admissions == 5
+
+
 def test_a_waiting_request_runs_only_if_vllm_would_give_it_blocks() -> None:
     """The fuzz's model of what vLLM could have run: a next chunk that fits the free pool is not enough while vLLM
     requires the whole sequence to fit (`scheduler_reserve_full_isl`), and is enough once that is off."""
     from offload_bench.sim.custom import build_custom
     from offload_bench.sim.requests import make_request, tokens
-    from offload_bench.sim.vllm_compat import first_chunk_fits
+    from offload_bench.sim.vllm_compat import first_chunk_fits, startable_waiting_ids
 
     sched, hbs = build_custom((("full", 16, 0),), num_blocks=41, max_num_batched_tokens=64, max_model_len=2048,
                               kv_transfer_config=None)
@@ -109,7 +126,7 @@ def test_a_waiting_request_runs_only_if_vllm_would_give_it_blocks() -> None:
     sched.add_request(req)
     assert sched.kv_cache_manager.block_pool.get_num_free_blocks() == 40
     if not hasattr(sched.scheduler_config, "scheduler_reserve_full_isl"):  # 0.32 gates only the next chunk
-        assert first_chunk_fits(sched, req)
+        assert first_chunk_fits(sched, req) and startable_waiting_ids(sched) == ["long"]
         return
     sched.scheduler_config.scheduler_reserve_full_isl = True
     assert not first_chunk_fits(sched, req)
@@ -119,6 +136,10 @@ def test_a_waiting_request_runs_only_if_vllm_would_give_it_blocks() -> None:
     sched.add_request(short)
     sched.scheduler_config.scheduler_reserve_full_isl = True
     assert first_chunk_fits(sched, short)
+    # vLLM's scan ends at the first request it cannot give blocks: the short one behind the long one waits too.
+    assert startable_waiting_ids(sched) == []
+    sched.scheduler_config.scheduler_reserve_full_isl = False
+    assert startable_waiting_ids(sched) == ["long", "short"]
 
 
 def test_pipeline_parallel_cases_load_and_keep_their_reservations() -> None:

@@ -12,7 +12,7 @@ from offload_bench.sim.peaks import PeakChecker
 from offload_bench.sim.requests import hash_lookahead, make_request, tokens
 from offload_bench.sim.scenarios import connector_config
 from offload_bench.sim.tagcopy import TagCopier
-from offload_bench.sim.vllm_compat import blocked_waiting_ids, first_chunk_fits
+from offload_bench.sim.vllm_compat import startable_waiting_ids
 
 
 @dataclass(frozen=True)
@@ -207,12 +207,14 @@ def run_case(case: FuzzCase, max_steps: int = 20_000) -> FuzzOutcome:
         # themselves: vLLM does not see them, they only shape verdicts (an in-flight load's blocks vLLM does see,
         # and a request they crowd out fails first_chunk_fits). A request vLLM would not give its next chunk's
         # blocks (the chunk, or under `scheduler_reserve_full_isl` its whole sequence, does not fit the free pool)
-        # could not have run with or without a verdict: vLLM 0.34 under PP with drafts idles small pools so, its
-        # running requests waiting for their batches while the waiting ones' prompts do not fit. With no request
-        # waiting, the running requests were not scheduled for another reason (one short of blocks is preempted
-        # into a waiting queue).
+        # could not have run with or without a verdict, nor could any request behind it in vLLM's scan (an
+        # allocation failure ends it): vLLM 0.34 under PP with drafts idles small pools so, its running requests
+        # waiting for their batches while the waiting prompts do not fit, and a newer request fair admission holds
+        # back behind such a deferred load would have waited behind it in vLLM's own first-come, first-served scan.
+        # With no request waiting, the running requests were not scheduled for another reason (one short of blocks
+        # is preempted into a waiting queue).
         held = c.deferrals + c.held_for_older + c.not_started > held_before
-        runnable = [rid for rid in blocked_waiting_ids(sched) if first_chunk_fits(sched, sched.requests[rid])]
+        runnable = startable_waiting_ids(sched)
         if runnable and held:
             outcome.idle_zero_steps += 1
         else:

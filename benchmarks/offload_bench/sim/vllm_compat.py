@@ -28,14 +28,31 @@ def waiting_count(sched: Any) -> int:
     return sum(len(getattr(sched, name, ()) or ()) for name in ("waiting", "kv_holding_waiting", "async_kv_waiting"))
 
 
-def blocked_waiting_ids(sched: Any) -> set[str]:
-    """Waiting requests vLLM could schedule if it had the blocks: those of `waiting_count` but the ones whose KV is
-    still loading (`WAITING_FOR_REMOTE_KVS`, which wait for their load whatever the pool holds). A preempted request
-    goes back to a waiting queue, so a running request that could not get its blocks is among them too."""
+def startable_waiting_ids(sched: Any) -> list[str]:
+    """The waiting requests vLLM would start this step if no connector held any back, in the order its scan takes
+    them: the queue of requests holding blocks (0.34), then the waiting queue and 0.34's queue of async loads merged by
+    arrival (its `_next_waiting_queue`). A request whose KV is still loading (`WAITING_FOR_REMOTE_KVS`) is skipped as
+    vLLM skips it; the first one vLLM would not give blocks (`first_chunk_fits`) ends the list, because an allocation
+    failure ends vLLM's scan (first come, first served: nothing behind it starts that step). A preempted request goes
+    back to a waiting queue, so a running request that could not get its blocks is among them too."""
     from vllm.v1.request import RequestStatus
 
-    return {r.request_id for name in ("waiting", "kv_holding_waiting", "async_kv_waiting")
-            for r in (getattr(sched, name, ()) or ()) if r.status != RequestStatus.WAITING_FOR_REMOTE_KVS}
+    waiting = list(getattr(sched, "waiting", ()) or ())
+    loads = list(getattr(sched, "async_kv_waiting", ()) or ())
+    merged: list[Any] = []
+    while waiting or loads:  # vLLM takes the async-load queue's head only if it arrived strictly first
+        if loads and (not waiting or loads[0].arrival_time < waiting[0].arrival_time):
+            merged.append(loads.pop(0))
+        else:
+            merged.append(waiting.pop(0))
+    out: list[str] = []
+    for request in [*(getattr(sched, "kv_holding_waiting", ()) or ()), *merged]:
+        if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
+            continue
+        if not first_chunk_fits(sched, request):
+            break
+        out.append(request.request_id)
+    return out
 
 
 def first_chunk_fits(sched: Any, request: Any) -> bool:
