@@ -113,11 +113,12 @@ class EngineRunError(RuntimeError):
 
 def run_engine(script: dict[str, Any], timeout: float = 300.0, log_dir: str | os.PathLike | None = None,
                env: dict[str, str] | None = None, drop_env: tuple[str, ...] = (),
-               full_log: bool = False) -> dict[str, Any]:
+               full_log: bool = False, trace_errors: bool = True) -> dict[str, Any]:
     """Run `script` in a fresh subprocess engine; raise EngineRunError (with the log tail) on failure or timeout.
     `env`: extra environment variables for the engine (e.g. a pinned `VLLM_CPU_NUM_OF_RESERVED_CPU`); `drop_env`:
     variables removed from it. The result carries the log's tail under "log_tail", and with `full_log` the whole
-    log under "log"."""
+    log under "log". Under `OC_KV_TRACE` a block written from outside its forward raises too (`kv_trace_problems`),
+    unless `trace_errors` is False: then the problems are in the result under "kv_trace_problems"."""
     with tempfile.TemporaryDirectory(prefix="engine-run-", dir=log_dir) as tmp:
         sp, op, lp = Path(tmp, "script.json"), Path(tmp, "out.json"), Path(tmp, "log.txt")
         sp.write_text(json.dumps(script))
@@ -137,23 +138,32 @@ def run_engine(script: dict[str, Any], timeout: float = 300.0, log_dir: str | os
         if rc != 0 or not op.exists():
             raise EngineRunError(f"engine run failed (exit {rc})\n{_tail(lp)}")
         result = json.loads(op.read_text())
-        trace = result.get("kv_trace") or {}
-        changed = trace.get("changed")
-        if changed:
-            raise EngineRunError(f"KV blocks changed while their request held them (OC_KV_TRACE): {changed[:5]}\n"
-                                 f"{_tail(lp)}")
-        first = trace.get("first") or {}
-        for when, what in (("read", "the forward read it before its load landed, or it was written during the forward"),
-                           ("written", "it was written between the forward that computed it and the next step")):
-            odd = [(key, seen[2], first[key][2]) for key, seen in (trace.get(when) or {}).items()
-                   if key in first and seen[2] != first[key][2]]
-            if odd:
-                raise EngineRunError(f"KV block hashes differ between the forward pass ({when}) and the next step "
-                                     f"(OC_KV_TRACE): {what}: {odd[:5]}\n{_tail(lp)}")
+        problems = kv_trace_problems(result.get("kv_trace") or {})
+        if problems and trace_errors:
+            raise EngineRunError(f"{problems[0]}\n{_tail(lp)}")
+        result["kv_trace_problems"] = problems
         result["log_tail"] = _tail(lp, 4000)
         if full_log:
             result["log"] = lp.read_text(errors="replace")
         return result
+
+
+def kv_trace_problems(trace: dict[str, Any]) -> list[str]:
+    """What an `OC_KV_TRACE` record says was written into KV from outside the forward that owns it, one line each:
+    a block that changed while its request held it, one the forward read before its load landed (or that changed
+    during the forward), one changed between the forward that computed it and the next step."""
+    problems = []
+    if trace.get("changed"):
+        problems.append(f"KV blocks changed while their request held them (OC_KV_TRACE): {trace['changed'][:5]}")
+    first = trace.get("first") or {}
+    for when, what in (("read", "the forward read it before its load landed, or it was written during the forward"),
+                       ("written", "it was written between the forward that computed it and the next step")):
+        odd = [(key, seen[2], first[key][2]) for key, seen in (trace.get(when) or {}).items()
+               if key in first and seen[2] != first[key][2]]
+        if odd:
+            problems.append(f"KV block hashes differ between the forward pass ({when}) and the next step "
+                            f"(OC_KV_TRACE): {what}: {odd[:5]}")
+    return problems
 
 
 class EngineRun:

@@ -458,11 +458,14 @@ def test_a_load_reported_before_it_lands_is_never_read_early(model_dir: str, pin
     place of the synchronous CPU copy) and is reported to vLLM at once, so the request is scheduled while its KV is
     still arriving. The scheduler names the load in the next step's fences and that forward waits for the copy: the
     output is the reference. With the fence removed the forward reads the blocks before the copy landed and the
-    output changes, which is what this comparison is there to catch."""
+    output changes, which is what this comparison is there to catch.
+
+    Both run with the KV trace on (`OC_KV_TRACE`, as under the contention harness): fenced, it finds nothing; with the
+    fence removed, it must report the blocks the copy wrote after the forward read them: the trace's own test."""
     kv = _recompute(connector_config(cpu_bytes="256Mi"))
     script = _reload_only(model_dir, kv, {"stall_steps": 10**9, "max_steps": 10**9})
     script["late_copies"] = {"delay_s": 0.5, "report_early": True, "fenced": fenced}
-    res = run_engine(script, timeout=420, env=PINNED)
+    res = run_engine(script, timeout=420, env={**PINNED, "OC_KV_TRACE": "1"}, trace_errors=False)
     got = _out(res, "reload")
     assert got["external_tokens"] == PREFIX, got
     metrics = _action(res, "reload")["metrics"]
@@ -470,9 +473,13 @@ def test_a_load_reported_before_it_lands_is_never_read_early(model_dir: str, pin
     assert metrics.get("vllm:offload_connector_load_failures", 0) == 0, metrics
     if fenced:
         assert got["token_ids"] == _out(pinned_baseline, "reload")["token_ids"]
+        assert res["kv_trace_problems"] == []
         _no_leaks(res)
     else:
         assert got["token_ids"] != _out(pinned_baseline, "reload")["token_ids"]
+        # The forward read the blocks before the copy landed: seen on entry (read), or, if the next step came before
+        # the copy too, as blocks changing under their request.
+        assert res["kv_trace_problems"], "the KV trace missed a forward reading a load before it landed"
 
 
 def test_loaded_tokens_counts_what_landed(offloaded: dict) -> None:
