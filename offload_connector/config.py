@@ -10,11 +10,14 @@ import re
 from collections.abc import Iterator
 from dataclasses import dataclass, fields
 from fractions import Fraction
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Any, Mapping
 
 from offload_connector.backends import BACKEND_CHOICES
 from offload_connector.policies import EVICTION_POLICIES as _POLICY_REGISTRY, check_policy_spec
 from offload_connector.disk.format import FILE_NAME as DISK_FILE_NAME
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
 
 RESERVATION_MODES = ("exact", "vllm")
 ADMISSION_POLICIES = ("fair", "greedy")
@@ -118,7 +121,7 @@ class OffloadConfig:
     # offload_connector/remote). Like the disk tier it is written through and read back into the CPU tier; a block is
     # served only once every worker of the engine that wrote it has written its shard.
     remote_store: str | None = None
-    remote_options: tuple[tuple[str, Any], ...] = ()
+    remote_options: tuple[tuple[str, object], ...] = ()
     # Who may write the shared tier: a file holding a secret (at least 16 bytes, the same file on every engine that
     # shares the store; never inline, since vLLM logs its configuration). Every value is tagged with an HMAC-SHA256
     # keyed by it and a value whose tag does not verify is a miss. A shared tier needs one, unless the operator says
@@ -127,7 +130,7 @@ class OffloadConfig:
     remote_allow_unauthenticated: bool = False
 
     @classmethod
-    def from_extra_config(cls, extra: Mapping[str, Any] | None) -> "OffloadConfig":
+    def from_extra_config(cls, extra: Mapping[str, object] | None) -> "OffloadConfig":
         extra = dict(extra or {})
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(extra) - known)
@@ -248,7 +251,7 @@ _SIZE_HINT = ('a positive whole number of bytes: an integer, or a string such as
               '(64*2^30)')
 
 
-def parse_byte_size(key: str, value: Any) -> int:
+def parse_byte_size(key: str, value: object) -> int:
     """A byte count from an integer, a whole float or a size string; one ConfigError naming `key` otherwise."""
     def bad(why: str) -> ConfigError:
         shown = repr(value) if len(repr(value)) <= 60 else repr(value)[:57] + "..."
@@ -296,7 +299,7 @@ def parse_byte_size(key: str, value: Any) -> int:
     return parsed
 
 
-def _positive_int(key: str, value: Any, allow_suffix: bool = False) -> int:
+def _positive_int(key: str, value: object, allow_suffix: bool = False) -> int:
     if allow_suffix:
         return parse_byte_size(key, value)
     parsed: int | None = None
@@ -356,7 +359,7 @@ def host_available_bytes(meminfo: str = "/proc/meminfo", cgroup_root: str = "/sy
     return min(found) if found else None
 
 
-def local_worker_count(vllm_config: Any) -> int:
+def local_worker_count(vllm_config: VllmConfig) -> int:
     """Workers of this engine that run on this host and each allocate `cpu_bytes`.
 
     vLLM starts one worker per rank of pipeline x tensor (x prefill-context) parallelism; `local_world_size` is the
@@ -402,14 +405,14 @@ def check_host_memory(cpu_bytes: int, workers: int = 1, extra_host_bytes: int = 
                       f"({have / 2**30:.1f} GiB) are available ({source}); lower 'cpu_bytes'")
 
 
-def _non_negative_float(key: str, value: Any) -> float:
+def _non_negative_float(key: str, value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, (int, float)) or not value >= 0 or value == float("inf"):
         raise ConfigError(f"kv_connector_extra_config: '{key}' must be a number of seconds >= 0 (0 disables it); "
                           f"got {value!r}")
     return float(value)
 
 
-def _disk_path(value: Any) -> str | None:
+def _disk_path(value: object) -> str | None:
     if value is None:
         return None
     if not isinstance(value, str) or not value.strip():
@@ -420,7 +423,7 @@ def _disk_path(value: Any) -> str | None:
     return os.path.abspath(os.path.expanduser(value))
 
 
-def _secret_file(key: str, value: Any) -> str | None:
+def _secret_file(key: str, value: object) -> str | None:
     if value is None:
         return None
     if not isinstance(value, str) or not value.strip() or "\x00" in value:
@@ -442,7 +445,7 @@ def _check_remote_auth(secret_file: str | None, allow_unauthenticated: bool) -> 
                           "exclude each other; give one")
 
 
-def _remote_options(value: Any) -> tuple[tuple[str, Any], ...]:
+def _remote_options(value: object) -> tuple[tuple[str, object], ...]:
     if not isinstance(value, Mapping) or not all(isinstance(k, str) for k in value):
         raise ConfigError(f"kv_connector_extra_config: 'remote_options' must be a JSON object of the store's options; "
                           f"got {value!r}")
@@ -452,7 +455,7 @@ def _remote_options(value: Any) -> tuple[tuple[str, Any], ...]:
     return tuple(sorted(value.items()))
 
 
-def _check_remote(kind: str, options: dict[str, Any]) -> None:
+def _check_remote(kind: str, options: Mapping[str, object]) -> None:
     """Option names checked at the edge (values when the store is opened, at start-up, with the same one line)."""
     import importlib
 
@@ -491,13 +494,13 @@ def check_disk_dir(path: str, disk_bytes: int, workers: int = 1) -> None:
                           f"'disk_bytes' or choose another 'disk_path'")
 
 
-def _bool(key: str, value: Any) -> bool:
+def _bool(key: str, value: object) -> bool:
     if not isinstance(value, bool):
         raise ConfigError(f"kv_connector_extra_config: '{key}' must be true or false; got {value!r}")
     return value
 
 
-def _ranks(key: str, value: Any) -> tuple[int, ...]:
+def _ranks(key: str, value: object) -> tuple[int, ...]:
     if not isinstance(value, (list, tuple)) or not all(isinstance(r, int) and not isinstance(r, bool) and r >= 0
                                                        for r in value):
         raise ConfigError(f"kv_connector_extra_config: '{key}' must be a list of worker ranks (integers >= 0, "
@@ -505,6 +508,7 @@ def _ranks(key: str, value: Any) -> tuple[int, ...]:
     return tuple(sorted(set(value)))
 
 
+# `value` is Any, not object: `value in accepted` proves it a str, but type checkers do not narrow on that.
 def _choice(key: str, value: Any, accepted: tuple[str, ...]) -> str:
     if value not in accepted:
         raise ConfigError(
@@ -513,7 +517,7 @@ def _choice(key: str, value: Any, accepted: tuple[str, ...]) -> str:
 
 
 # ------------------------------------------------------------------------------------------- start-up
-def check_at_startup(vllm_config: Any) -> OffloadConfig:
+def check_at_startup(vllm_config: VllmConfig) -> OffloadConfig:
     """The whole start-up check on a VllmConfig: the keys (debug rank lists within the engine's worker ranks), then
     the host memory every local host tier needs.
 

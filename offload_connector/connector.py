@@ -7,7 +7,7 @@ CUDA code and the worker never imports the scheduler side.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from offload_connector.compat import check_installed_vllm
 
@@ -42,6 +42,7 @@ if TYPE_CHECKING:
     from vllm.v1.core.kv_cache_manager import KVCacheBlocks, KVCacheManager
     from vllm.v1.core.sched.output import SchedulerOutput
     from vllm.v1.kv_cache_interface import KVCacheConfig
+    from vllm.v1.metrics.cache_hit_source import CacheHitSource
     from vllm.v1.outputs import KVConnectorOutput
     from vllm.v1.request import Request
 
@@ -76,7 +77,7 @@ class OffloadConnector(KVConnectorBase_V1, SupportsHMA):
 
     # ------------------------------------------------------- start-up checks: the earliest calls vLLM makes to us
     @classmethod
-    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, Any]) -> bool:
+    def requires_piecewise_for_cudagraph(cls, extra_config: dict[str, object]) -> bool:
         # VllmConfig.__post_init__ asks this whenever CUDA graphs include full graphs (the CUDA default; not with
         # --enforce-eager, never on the CPU backend): in the API server, before any engine process starts. A bad
         # `kv_connector_extra_config` stops start-up here with one ConfigError. Host memory is checked later
@@ -122,7 +123,7 @@ class OffloadConnector(KVConnectorBase_V1, SupportsHMA):
         assert self.scheduler_side is not None
         self.scheduler_side.update_state_after_alloc(request, blocks, num_external_tokens)
 
-    def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int) -> dict[Any, int]:
+    def get_external_cache_hit_sources(self, request: Request, num_external_tokens: int) -> dict[CacheHitSource, int]:
         # Asked after update_state_after_alloc: the tokens of the load just issued, by the tier that held them.
         if num_external_tokens == 0:
             return {}
@@ -140,11 +141,11 @@ class OffloadConnector(KVConnectorBase_V1, SupportsHMA):
         if self.scheduler_side is not None:
             self.scheduler_side.update_connector_output(connector_output)
 
-    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, Any] | None]:
+    def request_finished(self, request: Request, block_ids: list[int]) -> tuple[bool, dict[str, object] | None]:
         return self.request_finished_all_groups(request, (block_ids,))
 
     def request_finished_all_groups(self, request: Request, block_ids: tuple[list[int], ...]
-                                    ) -> tuple[bool, dict[str, Any] | None]:
+                                    ) -> tuple[bool, dict[str, object] | None]:
         assert self.scheduler_side is not None
         return self.scheduler_side.request_finished(request, block_ids)
 
@@ -222,7 +223,7 @@ class OffloadConnector(KVConnectorBase_V1, SupportsHMA):
         return self.scheduler_side.take_stats()
 
     @classmethod
-    def build_kv_connector_stats(cls, data: dict[str, Any] | None = None) -> metrics.OffloadStats:
+    def build_kv_connector_stats(cls, data: dict[str, object] | None = None) -> metrics.OffloadStats:
         return metrics.build_kv_connector_stats(data)
 
     @classmethod

@@ -10,7 +10,11 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Sequence
+
+if TYPE_CHECKING:
+    from vllm.v1.core.single_type_kv_cache_manager import SingleTypeKVCacheManager
+    from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheGroupSpec
 
 
 class GroupKind(str, Enum):
@@ -80,7 +84,7 @@ class GroupInfo:
         return range(self.first_live_block(num_tokens), num_tokens // self.block_size)
 
 
-def group_block_bytes(group: Any, kv_cache_config: Any) -> int:
+def group_block_bytes(group: KVCacheGroupSpec, kv_cache_config: KVCacheConfig) -> int:
     """Bytes one block of a KV cache group holds over all its layers (an upper bound where vLLM packs layers).
 
     A packed group (`UniformTypeKVCacheSpecs`, DeepSeek V4, as the worker sees it) reports its whole block as one
@@ -99,7 +103,7 @@ def group_block_bytes(group: Any, kv_cache_config: Any) -> int:
     return nbytes
 
 
-def tier_slots(cpu_bytes: int, kv_cache_config: Any) -> tuple[int, int]:
+def tier_slots(cpu_bytes: int, kv_cache_config: KVCacheConfig) -> tuple[int, int]:
     """(slots, bytes per slot) of the CPU tier. Slots are uniform pages of the largest group block, so a slot id means
     the same bytes to the scheduler side (which hands slot ids out) and to every worker (which copies into them);
     both sides size the tier with this one function."""
@@ -136,7 +140,8 @@ def live_ceiling(kind: GroupKind, block_size: int, extent: int, extra_retained_t
     return None
 
 
-def describe_groups(kv_cache_config: Any, max_in_flight_tokens: int, lookahead_tokens: int = 0) -> list[GroupInfo]:
+def describe_groups(kv_cache_config: KVCacheConfig, max_in_flight_tokens: int, lookahead_tokens: int = 0
+                    ) -> list[GroupInfo]:
     """Read the scheduler-side `KVCacheConfig` into `GroupInfo`s; refuse layouts we cannot offload.
 
     `max_in_flight_tokens`: tokens scheduled but not yet processed, over every batch in flight (vLLM's
@@ -177,7 +182,7 @@ def hit_alignment(groups: Sequence[GroupInfo]) -> int:
     return math.lcm(*(g.block_size for g in groups))
 
 
-def check_against_manager(groups: Sequence[GroupInfo], managers: Sequence[Any]) -> None:
+def check_against_manager(groups: Sequence[GroupInfo], managers: Sequence[SingleTypeKVCacheManager]) -> None:
     """Refuse to run if vLLM's managers disagree with our model of a group (a vLLM change we have not seen)."""
     if len(groups) != len(managers):
         raise UnsupportedLayoutError(

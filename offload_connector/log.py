@@ -11,12 +11,11 @@ machine) it is a plain logger of the same name.
 from __future__ import annotations
 
 import logging
-from typing import Any
 
 LOGGER_PREFIX = "vllm."  # vLLM's own logger is "vllm"; ours hang below it
 
 
-def get_logger(module: str) -> Any:
+def get_logger(module: str) -> logging.Logger:
     """The logger for `module` (pass `__name__`): `vllm.offload_connector.…`."""
     name = module if module.startswith(LOGGER_PREFIX) else LOGGER_PREFIX + module
     try:

@@ -39,6 +39,7 @@ class TransferJob:
         if len(self.disk_keys) != len(self.disk_slots) or len(self.remote_keys) != len(self.remote_slots):
             raise ValueError("a transfer job needs one host slot per disk or shared-tier read")
 
+    # `extra` is Any: the optional fields above (disk_keys .. fail_reason), each of its own type, for the constructor.
     @classmethod
     def from_columns(cls, job_id: int, request_id: str, num_groups: int, groups: Sequence[int],
                      gpu_blocks: Sequence[int], host_slots: Sequence[int], **extra: Any) -> "TransferJob":

@@ -80,7 +80,7 @@ from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
@@ -142,7 +142,7 @@ def _sig(x: float) -> float:
     return float(f"{x:.4g}")
 
 
-def _empty() -> dict[str, Any]:
+def _empty() -> dict[str, dict[str, float | list[float]]]:
     return {COUNTERS: {}, GAUGES: {}, SAMPLES: {}}
 
 
@@ -410,6 +410,6 @@ def counts_blocks_here() -> bool:
 
 
 # ------------------------------------------------------------------- hooks the connector class exposes
-def build_kv_connector_stats(data: dict[str, Any] | None = None) -> OffloadStats:
+def build_kv_connector_stats(data: dict[str, object] | None = None) -> OffloadStats:
     """Body of `OffloadConnector.build_kv_connector_stats(cls, data=None)` (same signature in vLLM 0.32 and 0.33)."""
     return OffloadStats(data=data or {})

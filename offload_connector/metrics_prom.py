@@ -8,12 +8,15 @@ are created through `metric_types`, never by importing `prometheus_client` class
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from prometheus_client import Counter, Gauge, Histogram
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics
 
 from offload_connector import metrics as m
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
 
 PREFIX = "vllm:offload_connector_"
 
@@ -107,10 +110,12 @@ class OffloadPromMetrics(KVConnectorPromMetrics):
     """Registers every metric at construction, with one child per engine (and per deferral reason), so `/metrics`
     lists them with zeros before the first transfer."""
 
-    def __init__(self, vllm_config: Any, metric_types: dict[type, type], labelnames: list[str],
+    def __init__(self, vllm_config: VllmConfig, metric_types: dict[type, type], labelnames: list[str],
                  per_engine_labelvalues: dict[int, list[object]]) -> None:
         super().__init__(vllm_config, metric_types, labelnames, per_engine_labelvalues)
         engines = per_engine_labelvalues.items()
+        # Children stay Any: vLLM types the metric classes as one union, and `observe` reads all three kinds through
+        # one variable.
         self._counters: dict[str, dict[int, Any]] = {}
         for key, (name, doc) in _COUNTERS.items():
             metric = self._counter_cls(name=PREFIX + name, documentation=doc, labelnames=labelnames)
@@ -132,6 +137,7 @@ class OffloadPromMetrics(KVConnectorPromMetrics):
                                          buckets=list(TRANSFER_TIME_BUCKETS))
             self._histograms[key] = {idx: metric.labels(*values) for idx, values in engines}
 
+    # Any as in vLLM's signature: each of the payload's keys holds a dict of another shape (numbers, sample lists).
     def observe(self, transfer_stats_data: dict[str, Any], engine_idx: int = 0) -> None:
         """Record one step's payload (`OffloadStats.to_dict()`) for engine `engine_idx`."""
         for key, value in (transfer_stats_data.get(m.COUNTERS) or {}).items():
@@ -158,7 +164,7 @@ def default_metric_types() -> dict[type, type]:
     return {Gauge: Gauge, Counter: Counter, Histogram: Histogram}
 
 
-def build_prom_metrics(vllm_config: Any, metric_types: dict[type, type], labelnames: list[str],
+def build_prom_metrics(vllm_config: VllmConfig, metric_types: dict[type, type], labelnames: list[str],
                        per_engine_labelvalues: dict[int, list[object]]) -> OffloadPromMetrics:
     """Body of `OffloadConnector.build_prom_metrics(cls, vllm_config, metric_types, labelnames,
     per_engine_labelvalues)` (same signature in vLLM 0.32 and 0.33)."""

@@ -9,7 +9,10 @@ from __future__ import annotations
 
 import importlib
 import inspect
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Callable
+
+if TYPE_CHECKING:
+    from offload_connector.scheduler.eviction.base import EvictionPolicy
 
 # name -> (module under offload_connector.scheduler.eviction, class). The order is the one error messages list.
 EVICTION_POLICIES: dict[str, tuple[str, str]] = {
@@ -23,7 +26,7 @@ POLICY_METHODS = ("stored", "release", "pin", "loaded", "touch", "reoffered", "r
                   "is_evictable", "evictable_keys")
 
 
-def builtin_policy(name: str) -> Callable[[int], Any]:
+def builtin_policy(name: str) -> Callable[[int], EvictionPolicy]:
     module, cls = EVICTION_POLICIES[name]
     return getattr(importlib.import_module(f"offload_connector.scheduler.eviction.{module}"), cls)
 
@@ -34,7 +37,7 @@ def check_policy_spec(spec: object) -> str:
     return spec  # type: ignore[return-value]
 
 
-def load_policy_factory(spec: object) -> Callable[[int], Any]:
+def load_policy_factory(spec: object) -> Callable[[int], EvictionPolicy]:
     """A built-in name, or "module.path:ClassName" of a class with the interface of
     `scheduler/eviction/base.EvictionPolicy` (imported and checked)."""
     accepted = f"one of {list(EVICTION_POLICIES)} or \"module.path:ClassName\" of an eviction policy class"
