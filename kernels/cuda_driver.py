@@ -8,7 +8,10 @@ from __future__ import annotations
 
 import ctypes
 import functools
-from typing import Any
+from typing import TYPE_CHECKING, Callable
+
+if TYPE_CHECKING:
+    from types import ModuleType
 
 # CUmemcpySrcAccessOrder. STREAM: the source is read in stream order (required when earlier work on the stream may
 # still write it, e.g. a store reading live KV). ANY: the source may be read early (only for a stable source).
@@ -41,7 +44,7 @@ class DriverError(RuntimeError):
     """A driver entry point is missing or returned an error."""
 
 
-def _driver() -> Any:
+def _driver() -> ModuleType:
     try:
         from cuda.bindings import driver
     except ImportError as exc:
@@ -49,7 +52,7 @@ def _driver() -> Any:
     return driver
 
 
-def _proc(symbol: str, version: int, proto: Any) -> Any:
+def _proc(symbol: str, version: int, proto: Callable[[int], Callable[..., int]]) -> Callable[..., int]:
     drv = _driver()
     try:
         err, ptr, _status = drv.cuGetProcAddress(symbol.encode(), version, 0)
@@ -61,13 +64,13 @@ def _proc(symbol: str, version: int, proto: Any) -> Any:
 
 
 @functools.cache
-def batch_memcpy() -> Any:
+def batch_memcpy() -> Callable[..., int]:
     """ctypes function for cuMemcpyBatchAsync (12.8 ABI); raises DriverError when the driver lacks it."""
     return _proc("cuMemcpyBatchAsync", _BATCH_ABI_VERSION, BATCH_FN)
 
 
 @functools.cache
-def memcpy_async() -> Any:
+def memcpy_async() -> Callable[..., int]:
     """ctypes function for cuMemcpyAsync (UVA pointers; direction inferred by the driver)."""
     return _proc("cuMemcpyAsync", _MEMCPY_ABI_VERSION, MEMCPY_FN)
 

@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 import warnings
 from pathlib import Path
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Sequence
 
 import numpy as np
 import torch
@@ -19,12 +19,18 @@ from . import cuda_driver as drv
 from . import workplan
 from .api import BlockCopier, Completion
 
+if TYPE_CHECKING:
+    from types import ModuleType
+
+    from cupy import RawModule
+    from cupy.cuda import ExternalStream
+
 SOURCE = Path(__file__).with_name("gather_scatter.cu")
 DEFAULT_CTAS = 16
 DEFAULT_CHUNK_BYTES = 16 << 10
 
 
-def _cupy() -> Any:
+def _cupy() -> ModuleType:
     try:
         import cupy
     except ImportError as exc:
@@ -33,7 +39,7 @@ def _cupy() -> Any:
 
 
 @functools.cache
-def _module(device_index: int) -> Any:
+def _module(device_index: int) -> RawModule:
     """The compiled module for one device (NVRTC via CuPy, cached on disk by CuPy as well)."""
     cupy = _cupy()
     with cupy.cuda.Device(device_index):
@@ -57,7 +63,7 @@ def _host_device_base(t: int, h: torch.Tensor) -> int:
     return d_start
 
 
-def _launch_stream(cupy: Any, handle: int, device_index: int) -> Any:
+def _launch_stream(cupy: ModuleType, handle: int, device_index: int) -> ExternalStream:
     """CuPy view of torch's stream, so the launch is ordered with the rest of the caller's work."""
     with warnings.catch_warnings():
         # Deprecated in CuPy 14 in favour of Stream.from_external(obj with __cuda_stream__), which not every torch

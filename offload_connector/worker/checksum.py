@@ -29,7 +29,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from math import gcd
-from typing import Any, Sequence
+from typing import Sequence
 
 import numpy as np
 import torch
@@ -94,7 +94,7 @@ class BlockChecksummer:
                                      torch.tensor(weights, dtype=torch.int64, device=page.device),
                                      int(page.shape[1])))
 
-    def compute(self, group: int, block_ids: Any, method: str | None = None) -> torch.Tensor:
+    def compute(self, group: int, block_ids: Sequence[int] | np.ndarray, method: str | None = None) -> torch.Tensor:
         """(len(block_ids),) int64 checksums of `group`'s blocks `block_ids`, on the pages' device; queued on the
         current stream on CUDA (no host synchronisation).
 
@@ -142,7 +142,8 @@ class PendingSums(Completion):
     a pinned host buffer in the same stream and an event marks when they are there (the copy's own completion
     handle, so it is queried, waited on and ordered the same way); on the CPU they are ready."""
 
-    def __init__(self, device_sums: torch.Tensor, stream: Any = None, order: np.ndarray | None = None) -> None:
+    def __init__(self, device_sums: torch.Tensor, stream: torch.cuda.Stream | None = None,
+                 order: np.ndarray | None = None) -> None:
         self._device = device_sums
         self._order = order  # values()[order[i]] is device_sums[i]
         event = None
@@ -178,7 +179,8 @@ class SlotChecksums:
         self._sums = np.zeros(num_slots, dtype=np.int64)
         self._valid = np.zeros(num_slots, dtype=bool)
 
-    def measure(self, groups: Sequence[int], gpu_blocks: Sequence[int], stream: Any = None) -> PendingSums:
+    def measure(self, groups: Sequence[int], gpu_blocks: Sequence[int], stream: torch.cuda.Stream | None = None
+                ) -> PendingSums:
         groups_a = np.asarray(groups, dtype=np.int64)
         blocks_a = np.asarray(gpu_blocks, dtype=np.int64)
         parts, order = [], []

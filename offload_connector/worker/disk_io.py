@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import hashlib
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from offload_connector.compat import lookahead_note, vllm_release
 from offload_connector.disk import DiskFingerprint
@@ -21,7 +21,12 @@ from offload_connector.metadata import TierWrite, OffloadMetadata, TransferJob
 from offload_connector.tier_auth import mac_key_from_file
 
 if TYPE_CHECKING:
-    from offload_connector.disk.store import DiskIO
+    import torch
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+    from offload_connector.disk.store import DiskIO, DiskStore
+    from offload_connector.keys import BlockKey
 
 logger = get_logger(__name__)
 
@@ -36,7 +41,7 @@ class DiskRank:
     tp_size: int = 1
 
 
-def current_rank(vllm_config: Any) -> DiskRank:
+def current_rank(vllm_config: VllmConfig) -> DiskRank:
     """This worker's ranks, from vLLM's parallel groups (all 0 when they are not set up: tests, tools)."""
     from vllm.distributed import parallel_state as ps
     pc = getattr(vllm_config, "parallel_config", None)
@@ -48,8 +53,8 @@ def current_rank(vllm_config: Any) -> DiskRank:
     return DiskRank(dp, ps.get_pp_group().rank_in_group, ps.get_tensor_model_parallel_rank(), pp_size, tp_size)
 
 
-def fingerprint_for(vllm_config: Any, kv_cache_config: Any, group_bytes: Sequence[int], slot_bytes: int,
-                    rank: DiskRank) -> DiskFingerprint:
+def fingerprint_for(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, group_bytes: Sequence[int],
+                    slot_bytes: int, rank: DiskRank) -> DiskFingerprint:
     """What must match for this worker's file to hold this worker's KV blocks: the model, each group's block bytes,
     block size and layers (so a PP stage never reads another's), the KV dtype, this worker's TP/PP position, the
     vLLM release and the block hashes' lookahead (0.34 with EAGLE/MTP)."""
@@ -69,15 +74,15 @@ def fingerprint_for(vllm_config: Any, kv_cache_config: Any, group_bytes: Sequenc
 
 
 class WorkerDiskTier:
-    def __init__(self, store: Any, host: Any, group_bytes: Sequence[int]) -> None:
+    def __init__(self, store: DiskStore, host: torch.Tensor, group_bytes: Sequence[int]) -> None:
         self.store = store
         self._host = host  # the CPU tier: a (num_slots, slot_bytes) uint8 CPU tensor
         self._group_bytes = list(group_bytes)
-        self._writes: dict[int, list[Any]] = {}
+        self._writes: dict[int, list[DiskIO]] = {}
         self._seen = (0, 0, 0)
 
     @classmethod
-    def open(cls, base_dir: str, disk_bytes: int, tier_slot_bytes: int, host: Any, group_bytes: Sequence[int],
+    def open(cls, base_dir: str, disk_bytes: int, tier_slot_bytes: int, host: torch.Tensor, group_bytes: Sequence[int],
              fingerprint: DiskFingerprint, rank: DiskRank, secret_file: str | None = None) -> "WorkerDiskTier":
         from offload_connector.disk import DiskStore
 
@@ -93,7 +98,7 @@ class WorkerDiskTier:
                     "slots tagged and verified with the secret" if mac_key is not None else "CRC-32 checks only")
         return cls(store, host, group_bytes)
 
-    def _slot(self, key: Any, slot: int) -> Any:
+    def _slot(self, key: BlockKey, slot: int) -> torch.Tensor:
         return self._host[slot, : self._group_bytes[int(key[0])]]
 
     # ------------------------------------------------------------------ step

@@ -14,9 +14,12 @@ back. Slots are as large as the largest group's block, which is what the schedul
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, Mapping
+from typing import TYPE_CHECKING, Mapping
 
 import torch
+
+if TYPE_CHECKING:
+    from vllm.v1.kv_cache_interface import KVCacheConfig
 
 
 class LayoutError(ValueError):
@@ -66,7 +69,8 @@ def _byte_view(t: torch.Tensor, num_blocks: int, name: str) -> tuple[torch.Tenso
     return view, page
 
 
-def build_layout(kv_caches: Mapping[str, Any], kv_cache_config: Any) -> tuple[KVLayout, list[torch.Tensor]]:
+def build_layout(kv_caches: Mapping[str, object], kv_cache_config: KVCacheConfig
+                 ) -> tuple[KVLayout, list[torch.Tensor]]:
     """Page views for every group's layers, deduplicated; returns the layout and one device view per page."""
     num_blocks = int(kv_cache_config.num_blocks)
     pages: list[PageRef] = []

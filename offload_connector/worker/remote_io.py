@@ -9,10 +9,19 @@ shared-tier blocks is copied to the GPU only once they have all arrived and veri
 from __future__ import annotations
 
 from concurrent.futures import Future, ThreadPoolExecutor
-from typing import Any, Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from offload_connector.log import get_logger
 from offload_connector.metadata import OffloadMetadata, TierWrite, TransferJob
+
+if TYPE_CHECKING:
+    import numpy as np
+    import torch
+
+    from offload_connector.disk import DiskFingerprint
+    from offload_connector.keys import BlockKey
+    from offload_connector.remote import RemoteStore
+    from offload_connector.worker.disk_io import DiskRank
 
 logger = get_logger(__name__)
 
@@ -21,13 +30,13 @@ logger = get_logger(__name__)
 FETCH_TIMEOUT_S = 10.0
 
 
-def with_default_timeout(kind: str, options: dict[str, Any], seconds: float) -> dict[str, Any]:
+def with_default_timeout(kind: str, options: dict[str, object], seconds: float) -> dict[str, object]:
     if kind == "redis" and "socket_timeout_s" not in options and "client" not in options:
         return {**options, "socket_timeout_s": seconds}
     return options
 
 
-def io_deltas(store: Any, seen: tuple[int, int, int]) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
+def io_deltas(store: RemoteStore, seen: tuple[int, int, int]) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
     """A store's (bytes put, bytes fetched, failed or rejected blocks) since `seen`, and the totals to pass next."""
     s = store.stats()
     now = (s.put_bytes, s.get_bytes, s.put_failures + s.errors + sum(s.rejected.values()))
@@ -53,7 +62,7 @@ class FetchIO:
 
 
 class WorkerRemoteTier:
-    def __init__(self, store: Any, host: Any, group_bytes: Sequence[int]) -> None:
+    def __init__(self, store: RemoteStore, host: torch.Tensor, group_bytes: Sequence[int]) -> None:
         self.store = store  # an offload_connector.remote.RemoteStore under this worker's own fingerprint
         self._host = host  # the CPU tier: a (num_slots, slot_bytes) uint8 CPU tensor
         self._group_bytes = list(group_bytes)
@@ -62,8 +71,8 @@ class WorkerRemoteTier:
         self._seen = (0, 0, 0)
 
     @classmethod
-    def open(cls, kind: str, options: dict[str, Any], disk_fingerprint: Any, rank: Any, host: Any,
-             group_bytes: Sequence[int], mac_key: bytes | None = None) -> "WorkerRemoteTier":
+    def open(cls, kind: str, options: dict[str, object], disk_fingerprint: DiskFingerprint, rank: DiskRank,
+             host: torch.Tensor, group_bytes: Sequence[int], mac_key: bytes | None = None) -> "WorkerRemoteTier":
         """This worker's client, under a fingerprint of its own shard (model, its blocks' bytes and layers, its TP
         and PP position); with `mac_key` it tags its writes and reads only values whose tags verify."""
         from offload_connector.remote import RemoteFingerprint, make_remote_store
@@ -76,7 +85,7 @@ class WorkerRemoteTier:
                     "values tagged and verified with the secret" if mac_key is not None else "unauthenticated")
         return cls(store, host, group_bytes)
 
-    def _buffers(self, keys: Sequence[Any], slots: Sequence[int]) -> list[Any]:
+    def _buffers(self, keys: Sequence[BlockKey], slots: Sequence[int]) -> list[np.ndarray]:
         return [self._host[slot, : self._group_bytes[int(key[0])]].numpy() for key, slot in zip(keys, slots)]
 
     def apply(self, meta: OffloadMetadata) -> None:

@@ -12,7 +12,7 @@ frees its blocks.
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Callable, Protocol
 
 import torch
 
@@ -23,25 +23,33 @@ from offload_connector.metadata import OffloadMetadata, OffloadWorkerMetadata, T
 from offload_connector.metrics import OffloadStats, OffloadStatsSink, counts_blocks_here
 from offload_connector.worker.layout import KVLayout, build_layout, host_views
 from offload_connector.worker.second_tier import ReadHandle, WorkerSecondTier
-from offload_connector.worker.transfers import TransferEngine
+from offload_connector.worker.transfers import Copier, TransferEngine
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
+    from offload_connector.kernels import HostTier
     from offload_connector.worker.remote_io import WorkerRemoteTier
 
 logger = get_logger(__name__)
 
 
+class HostTierLike(Protocol):
+    """The host tier: `tensor`, a (num_slots, slot_bytes) uint8 arena, and optionally `pinned` and `close()`
+    (kernels.HostTier; the benchmarks' simulation passes a meta-device one)."""
+
+    @property
+    def tensor(self) -> torch.Tensor: ...
+
+
 # make_copier's signature: (transfer_backend, device_pages, host_pages, segments, *, device) -> a kernels.BlockCopier.
-CopierFactory = Callable[..., Any]
-# (num_slots, slot_bytes, pin) -> the host tier: an object with `tensor`, a (num_slots, slot_bytes) uint8 arena, and
-# optionally `pinned` and `close()` (kernels.HostTier).
-HostTierFactory = Callable[[int, int, bool], Any]
+CopierFactory = Callable[..., Copier]
+# (num_slots, slot_bytes, pin) -> the host tier.
+HostTierFactory = Callable[[int, int, bool], HostTierLike]
 
 
-def allocate_checked_host_tier(num_slots: int, slot_bytes: int, pin: bool) -> Any:
+def allocate_checked_host_tier(num_slots: int, slot_bytes: int, pin: bool) -> HostTier:
     """The host tier vLLM's workers get: checked against the host's memory first, then allocated (pinned on CUDA)."""
     from offload_connector.kernels import allocate_host_tier
 
@@ -82,7 +90,7 @@ class OffloadWorker:
         self.stats = OffloadStatsSink()
         self.layout: KVLayout | None = None
         self.engine: TransferEngine | None = None
-        self.host_tier: Any = None
+        self.host_tier: HostTierLike | None = None
         self.backend: str | None = None
         self._device_views: list[torch.Tensor] = []
         self._count_blocks = True

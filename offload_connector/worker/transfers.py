@@ -28,7 +28,7 @@ from __future__ import annotations
 import contextlib
 import time
 from dataclasses import dataclass
-from typing import Any, Callable, Literal, Sequence
+from typing import TYPE_CHECKING, Callable, Literal, Protocol, Sequence
 
 import numpy as np
 import torch
@@ -38,9 +38,30 @@ from offload_connector.metadata import TransferJob
 from offload_connector.worker.checksum import PendingSums, SlotChecksums
 from offload_connector.worker.landing import LandingEstimate
 
+if TYPE_CHECKING:
+    from offload_connector.kernels.api import Direction
+
 logger = get_logger(__name__)
 
 Kind = Literal["load", "store"]
+
+
+class CopyHandle(Protocol):
+    """Completion handle of one copy: `kernels.Completion`, or the handle of a copier the tests or the benchmarks'
+    simulation pass in. Its `error`, `started` and `device_seconds` are optional (read with getattr)."""
+
+    def query(self) -> bool: ...
+
+    def wait(self) -> None: ...
+
+    def order_before(self, stream: torch.cuda.Stream | None) -> None: ...
+
+
+class Copier(Protocol):
+    """What the engine issues copies through: a `kernels.BlockCopier`, or any object with its `copy`."""
+
+    def copy(self, direction: Direction, ids: Sequence[object], stream: torch.cuda.Stream | None = None
+             ) -> CopyHandle: ...
 
 
 class _Issued:
@@ -53,15 +74,15 @@ class _Issued:
     ordered on a stream, so it is waited for on the host).
     """
 
-    def __init__(self, issue: Callable[[], tuple[Any, PendingSums | None]], delay_s: float = 0.0) -> None:
+    def __init__(self, issue: Callable[[], tuple[CopyHandle, PendingSums | None]], delay_s: float = 0.0) -> None:
         self._issue = issue
         self._at = time.perf_counter() + delay_s
-        self.completion: Any = None
+        self.completion: CopyHandle | None = None
         self.sums: PendingSums | None = None
         self.error: str | None = None
         # CUDA timing events recorded around the copy on its stream, once issued (loads under ordered_loads): its
         # own duration on the device.
-        self.timing: list[tuple[Any, Any]] = []
+        self.timing: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
         if delay_s <= 0:
             self._start()
 
@@ -118,7 +139,7 @@ class _Issued:
         seconds = getattr(self.completion, "device_seconds", None)
         return seconds() if callable(seconds) else None
 
-    def order_before(self, stream: Any) -> None:
+    def order_before(self, stream: torch.cuda.Stream | None) -> None:
         if not self.issued:
             self.wait()
         if self.error is None:
@@ -151,7 +172,7 @@ class JobResult:
 
 
 class TransferEngine:
-    def __init__(self, copier: Any, num_groups: int, group_bytes: Sequence[int], device: torch.device,
+    def __init__(self, copier: Copier, num_groups: int, group_bytes: Sequence[int], device: torch.device,
                  after_load_copy: Callable[[TransferJob], None] | None = None, load_timeout_s: float = 0.0,
                  fail_loads: bool = False, checksums: SlotChecksums | None = None,
                  copy_delay_s: float = 0.0, fail_stores: bool = False, ordered_loads: bool = False,
@@ -180,8 +201,8 @@ class TransferEngine:
         self._fail_stores = fail_stores  # debug_fail_store_ranks: stores likewise
         self.timeouts = 0
         self._readers: dict[int, set[int]] = {}  # GPU block -> unfinished store jobs reading it
-        self.load_stream: Any = None
-        self.store_stream: Any = None
+        self.load_stream: torch.cuda.Stream | None = None
+        self.store_stream: torch.cuda.Stream | None = None
         if device.type == "cuda":
             # Lower numbers are higher priority; range() gives (lowest, highest).
             low, high = torch.cuda.Stream.priority_range()
@@ -204,7 +225,7 @@ class TransferEngine:
         return sum(self._group_bytes[g] * len(blocks) for g, blocks in enumerate(job.group_gpu_blocks))
 
     @staticmethod
-    def _on(stream: Any) -> Any:
+    def _on(stream: torch.cuda.Stream | None) -> contextlib.AbstractContextManager[object]:
         return torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext()
 
     def submit_store(self, job: TransferJob) -> None:
@@ -216,7 +237,7 @@ class TransferEngine:
         if self._checksums is not None:
             self._checksums.invalidate(job.host_slots)  # the slots' old contents are being replaced
 
-        def issue() -> tuple[Any, PendingSums | None]:
+        def issue() -> tuple[CopyHandle, PendingSums | None]:
             if self.store_stream is not None:
                 self.store_stream.wait_stream(torch.cuda.current_stream(self._device))
             completion = self._copier.copy("d2h", self._ids(job), stream=self.store_stream)
@@ -250,9 +271,9 @@ class TransferEngine:
             # the compute stream (async scheduling) and will write it: land after that, never under it.
             self.load_stream.wait_stream(torch.cuda.current_stream(self._device))
 
-        timing: list[tuple[Any, Any]] = []
+        timing: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
 
-        def issue() -> tuple[Any, PendingSums | None]:
+        def issue() -> tuple[CopyHandle, PendingSums | None]:
             start = None
             if self.load_stream is not None and self._ordered_loads:
                 start = torch.cuda.Event(enable_timing=True)
@@ -288,11 +309,11 @@ class TransferEngine:
         self._jobs[job.job_id] = _InFlight("load", job, None, time.perf_counter(), 0, reason)
 
     # ---------------------------------------------------------------- complete
-    def _after_zombies(self, stream: Any) -> None:
+    def _after_zombies(self, stream: torch.cuda.Stream | None) -> None:
         for flight in self._zombies.values():
             flight.completion.order_before(stream)
 
-    def _after_unlanded(self, stream: Any) -> None:
+    def _after_unlanded(self, stream: torch.cuda.Stream | None) -> None:
         """Before a copy: after every load still copying that vLLM was told is done or failed (zombies, ordered
         loads). The scheduler has released their host slots and GPU blocks, so this copy may reuse them."""
         self._after_zombies(stream)
