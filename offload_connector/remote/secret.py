@@ -2,10 +2,13 @@
 and verify values with (`framing.derive_mac_key`)."""
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 from offload_connector.remote.framing import derive_mac_key
 from offload_connector.tier_auth import read_secret as _read_secret
+
+if TYPE_CHECKING:
+    from offload_connector.config import OffloadConfig
 
 KEY = "remote_secret_file"
 
@@ -15,7 +18,7 @@ def read_secret(path: str) -> bytes:
     return _read_secret(path, KEY)
 
 
-def shared_tier_mac_key(config: Any) -> bytes | None:
+def shared_tier_mac_key(config: OffloadConfig) -> bytes | None:
     """The MAC key of the shared tier's stores (None when the operator allowed unauthenticated use)."""
     if config.remote_secret_file is None:
         return None
