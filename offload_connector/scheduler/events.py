@@ -33,6 +33,7 @@ from offload_connector.keys import BlockKey
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
     from vllm.distributed.kv_events import BlockStored, KVCacheEvent
+    from vllm.v1.core.kv_cache_utils import ExternalBlockHash
     from vllm.v1.kv_cache_interface import KVCacheConfig
     from vllm.v1.request import Request
 
@@ -53,7 +54,7 @@ class TierEvents:
                  kv_cache_config: KVCacheConfig | None = None) -> None:
         self.enabled = enabled
         self.groups = list(groups)
-        self._pending: list[Any] = []  # BlockStored, or [group, hashes] for removals coalesced per group
+        self._pending: list[BlockStored | list[Any]] = []  # or [group, hashes] for removals coalesced per group
         self._spec: list[tuple[str | None, int | None]] = [(None, None)] * len(self.groups)
         if not enabled:
             return
@@ -64,7 +65,8 @@ class TierEvents:
             to_event_extra_keys,
         )
         self._stored_cls, self._removed_cls = BlockStored, BlockRemoved
-        self._convert: Callable[[Any], Any] = maybe_convert_block_hash
+        # Takes Any: our keys hold the hash as a Hashable (vLLM's BlockHash bytes in an engine, ints in tests).
+        self._convert: Callable[[Any], ExternalBlockHash] = maybe_convert_block_hash
         self._extra_keys, self._to_event_extra_keys = generate_block_hash_extra_keys, to_event_extra_keys
         specs = getattr(kv_cache_config, "kv_cache_groups", None)
         if specs is not None:
@@ -107,12 +109,12 @@ class TierEvents:
             kind, window = self._spec[group] if group < len(self._spec) else (None, None)
             for run in runs:
                 first, last = run[0], run[-1]
-                extra: list[Any] = []
+                extra: list[tuple[object, ...] | None] = []
                 mm_idx = 0
                 for i in run:
                     keys, mm_idx = self._extra_keys(request, i * size, (i + 1) * size, mm_idx)
                     extra.append(keys)
-                fields: dict[str, Any] = dict(
+                fields: dict[str, Any] = dict(  # keyword arguments of BlockStored, each of its own type
                     block_hashes=[self._convert(key_of(group, i)[1]) for i in run],
                     parent_block_hash=self._convert(key_of(group, first - 1)[1]) if first > 0 else None,
                     token_ids=list(tokens[first * size:(last + 1) * size]),

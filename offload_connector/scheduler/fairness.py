@@ -25,7 +25,10 @@ preempted older request can always come back.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from vllm.v1.request import Request
 
 
 @dataclass(frozen=True)
@@ -43,13 +46,13 @@ class FairQueue:
         self._grace = grace_steps
         self._deferred: dict[str, DeferredLoad] = {}
 
-    def order(self, request: Any) -> tuple[float, ...]:
+    def order(self, request: Request) -> tuple[float, ...]:
         arrival = float(getattr(request, "arrival_time", 0.0) or 0.0)
         if self._priority:
             return (float(getattr(request, "priority", 0) or 0), arrival)
         return (arrival,)
 
-    def defer(self, request: Any, step: int, now: int, total: int) -> None:
+    def defer(self, request: Request, step: int, now: int, total: int) -> None:
         old = self._deferred.get(request.request_id)
         since = step if old is None else old.since
         self._deferred[request.request_id] = DeferredLoad(request.request_id, self.order(request), since, now, total)
@@ -57,7 +60,7 @@ class FairQueue:
     def clear(self, request_id: str) -> None:
         self._deferred.pop(request_id, None)
 
-    def oldest_ahead_of(self, request: Any) -> DeferredLoad | None:
+    def oldest_ahead_of(self, request: Request) -> DeferredLoad | None:
         """The deferred load that vLLM's queue puts first, if it is ahead of `request`."""
         if not self._deferred:
             return None

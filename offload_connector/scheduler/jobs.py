@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any, Callable, Hashable, Iterable, Mapping
+from typing import TYPE_CHECKING, Callable, Hashable, Iterable, Mapping
 
 from offload_connector.metadata import TransferJob
 from offload_connector.scheduler.events import TierEvents
@@ -29,7 +29,8 @@ class LoadState:
     # Keys read back from a second tier (disk, shared) into freshly reserved CPU-tier entries (published when the
     # load lands), and what to tell each second tier when the load finishes: callback(read, ok, retired).
     promoted: list[Hashable] = field(default_factory=list)
-    read_back: list[tuple[Callable[[Any, bool, bool], None], Any]] = field(default_factory=list)
+    # Each read is its tier's own handle (disk_tier.ReadBack, remote_tier.Fetch): only its callback looks inside.
+    read_back: list[tuple[Callable[..., None], object]] = field(default_factory=list)
     events: list[BlockStored] | None = None  # BlockStored events of the promoted entries, published when the load lands
 
 
@@ -83,7 +84,7 @@ class JobBook:
         return self.next_job
 
     def add_load(self, job: TransferJob, keys: list[Hashable], tokens: int, promoted: list[Hashable] | None = None,
-                 read_back: list[tuple[Callable[[Any, bool, bool], None], Any]] | None = None,
+                 read_back: list[tuple[Callable[..., None], object]] | None = None,
                  events: list[BlockStored] | None = None) -> None:
         self.loads[job.request_id] = LoadState(job, keys, tokens, promoted or [], read_back or [], events)
         self.pending_loads.append(job)
@@ -123,7 +124,7 @@ class JobBook:
             return ()
         fences: set[int] = set()
 
-        def scan(block_ids: Any) -> None:
+        def scan(block_ids: tuple[list[int], ...] | None) -> None:
             for ids in block_ids or ():
                 for bid in ids:
                     readers = self.block_readers.get(bid)

@@ -23,9 +23,12 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
-from typing import Any, Iterable, Sequence
+from typing import TYPE_CHECKING, Iterable, Sequence
 
 from offload_connector.groups import GroupInfo, cdiv
+
+if TYPE_CHECKING:
+    from vllm.v1.core.kv_cache_utils import KVCacheBlock
 
 
 def peak_blocks(group: GroupInfo, target_tokens: int, processed_tokens: int) -> int:
@@ -50,7 +53,7 @@ def remaining_blocks(group: GroupInfo, target_tokens: int, num_entries: int, num
     return max(cdiv(target_tokens, group.block_size) - num_entries, 0)
 
 
-def load_blocks(group: GroupInfo, hit_tokens: int, local_blocks: Sequence[Any]) -> tuple[int, int, int]:
+def load_blocks(group: GroupInfo, hit_tokens: int, local_blocks: Sequence[KVCacheBlock]) -> tuple[int, int, int]:
     """What admitting a load of `hit_tokens` computed tokens (local hit included) does to this group.
 
     Returns (blocks taken from the free pool now, block-table entries afterwards, live blocks afterwards).
@@ -64,7 +67,7 @@ def load_blocks(group: GroupInfo, hit_tokens: int, local_blocks: Sequence[Any]) 
     return fresh + touched_free, entries, entries - skipped
 
 
-def live_counts(blocks: Sequence[Any]) -> tuple[int, int]:
+def live_counts(blocks: Sequence[KVCacheBlock]) -> tuple[int, int]:
     return len(blocks), sum(1 for blk in blocks if not blk.is_null)
 
 

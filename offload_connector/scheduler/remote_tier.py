@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Callable, Iterable, Sequence
+from typing import TYPE_CHECKING, Callable, Iterable, Sequence
 
 from offload_connector.log import get_logger
 from offload_connector.metadata import TierWrite
@@ -26,6 +26,15 @@ from offload_connector.scheduler.lookup import full_prefix_tokens
 from offload_connector.scheduler.write_through import WriteThrough
 from offload_connector.scheduler.tier_index import TierIndex
 from offload_connector.keys import BlockKey
+
+if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+    from offload_connector.config import OffloadConfig
+    from offload_connector.groups import GroupInfo
+    from offload_connector.remote import RemoteStore
+    from offload_connector.scheduler.lookup import BlockKeys
 
 logger = get_logger(__name__)
 
@@ -55,7 +64,7 @@ class Fetch:
 
 
 class RemoteTierPlanner:
-    def __init__(self, markers: Any, tier: TierIndex, reporters: int, max_writing: int) -> None:
+    def __init__(self, markers: RemoteStore, tier: TierIndex, reporters: int, max_writing: int) -> None:
         self.markers = markers  # a RemoteStore under the engine-independent marker fingerprint
         self.tier = tier
         self.counters = RemoteCounters()
@@ -79,7 +88,7 @@ class RemoteTierPlanner:
         answers[part] = (step, found)
         return found
 
-    def ready_fn(self, request_id: str, keys: Any, groups: Sequence[Any], alignment: int, spacing: int,
+    def ready_fn(self, request_id: str, keys: BlockKeys, groups: Sequence[GroupInfo], alignment: int, spacing: int,
                  available: Callable[[Key], bool], upper: int, step: int) -> Callable[[Key], bool]:
         """`available` (this host's tiers) plus the blocks the shared tier holds, for a lookup up to `upper` tokens.
 
@@ -178,7 +187,8 @@ class RemoteTierPlanner:
         return self.writes.busy()
 
 
-def open_marker_store(config: Any, vllm_config: Any, kv_cache_config: Any, groups: Sequence[Any]) -> Any:
+def open_marker_store(config: OffloadConfig, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig,
+                      groups: Sequence[GroupInfo]) -> RemoteStore:
     """The scheduler's client of the shared store, under the marker fingerprint: what every engine with the same
     model, KV cache groups and parallel layout computes alike (the workers' shard fingerprints hold their ranks)."""
     import hashlib

@@ -156,6 +156,7 @@ class StorePlanner:
         self.counters.stored_blocks += job.num_blocks
 
 
+# Any: the columns differ in type (groups, block ids, keys), and the callers unpack each back into its own.
 def in_prefix_order(positions: list[int], *columns: list[Any]) -> list[list[Any]]:
     """Reorders parallel per-block lists by the token position just past each block, across groups.
 
