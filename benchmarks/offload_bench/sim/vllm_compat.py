@@ -6,6 +6,8 @@ Kept here so the drivers read the same on every release; the connector itself ne
 from __future__ import annotations
 
 import dataclasses
+import heapq
+import itertools
 from contextlib import contextmanager
 from typing import Any, Iterator
 
@@ -37,16 +39,11 @@ def startable_waiting_ids(sched: Any) -> list[str]:
     back to a waiting queue, so a running request that could not get its blocks is among them too."""
     from vllm.v1.request import RequestStatus
 
-    waiting = list(getattr(sched, "waiting", ()) or ())
-    loads = list(getattr(sched, "async_kv_waiting", ()) or ())
-    merged: list[Any] = []
-    while waiting or loads:  # vLLM takes the async-load queue's head only if it arrived strictly first
-        if loads and (not waiting or loads[0].arrival_time < waiting[0].arrival_time):
-            merged.append(loads.pop(0))
-        else:
-            merged.append(waiting.pop(0))
+    # heapq.merge compares the two heads as vLLM does, and on equal arrival takes the waiting queue's (listed first).
+    merged = heapq.merge(getattr(sched, "waiting", ()) or (), getattr(sched, "async_kv_waiting", ()) or (),
+                         key=lambda r: r.arrival_time)
     out: list[str] = []
-    for request in [*(getattr(sched, "kv_holding_waiting", ()) or ()), *merged]:
+    for request in itertools.chain(getattr(sched, "kv_holding_waiting", ()) or (), merged):
         if request.status == RequestStatus.WAITING_FOR_REMOTE_KVS:
             continue
         if not first_chunk_fits(sched, request):
