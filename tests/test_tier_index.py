@@ -169,3 +169,106 @@ def test_spare_entries_are_cleared_and_dropped_like_the_others():
     tier.clear()
     assert len(tier) == 0 and tier.evictable_keys() == []
     assert len(tier.begin_store(keys(4))) == 4
+
+
+# Spare entries of requests that shared a prefix (branching traffic) against the policy's victims.
+
+def _store(tier, ks, spare=False, unshared=False):
+    tier.begin_store(ks, unshared=unshared, spare=set(ks) if spare else ())
+    tier.finish_store(ks)
+    return ks
+
+
+def _evict_order(tier, n):
+    """The keys the next `n` one-block regular stores evict, in order."""
+    before = set(tier.evictable_keys())
+    gone = []
+    for i in range(n):
+        tier.begin_store(keys(1, tag=f"probe{i}-"), unshared=True)
+        tier.finish_store(keys(1, tag=f"probe{i}-"))
+        gone += [k for k in before if not tier.has(k) and k not in gone]
+    return gone
+
+
+@pytest.mark.parametrize("policy", ["lru", "slru", "arc"])
+def test_a_shared_spare_window_outlives_older_regular_entries_but_not_newer_ones(policy):
+    tier = TierIndex(6, [10], policy=policy)
+    old = _store(tier, keys(2, tag="old"), unshared=True)
+    branch = _store(tier, keys(2, tag="br"), spare=True)  # a request that shared a prefix: its spare windows
+    new = _store(tier, keys(2, tag="new"), unshared=True)
+    order = tier.evictable_keys()
+    # The older regular entries go before the fresh spare windows; those go before the newer regular entries.
+    assert set(order[:2]) == set(old) and set(order[2:4]) == set(branch) and set(order[4:]) == set(new)
+    assert _evict_order(tier, 6) == order  # and that is the order the stores really evict in
+
+
+@pytest.mark.parametrize("policy", ["lru", "slru", "arc"])
+def test_spare_windows_of_a_request_that_shared_nothing_still_go_first(policy):
+    tier = TierIndex(6, [10], policy=policy)
+    old = _store(tier, keys(2, tag="old"), unshared=True)
+    lone = _store(tier, keys(2, tag="lone"), spare=True, unshared=True)
+    branch = _store(tier, keys(2, tag="br"), spare=True)
+    order = tier.evictable_keys()
+    assert set(order[:2]) == set(lone) and set(order[2:4]) == set(old) and set(order[4:]) == set(branch)
+    assert _evict_order(tier, 6) == order
+
+
+@pytest.mark.parametrize("policy", ["lru", "slru", "arc"])
+def test_a_one_shot_requests_spare_store_never_displaces_a_branching_one(policy):
+    tier = TierIndex(3, [10], policy=policy)
+    regular = _store(tier, keys(1))
+    branch = _store(tier, keys(2, tag="br"), spare=True)
+    lone = keys(2, tag="lone")
+    assert tier.begin_store(lone, unshared=True, spare=set(lone)) == []
+    assert tier.spare_skips == 2 and all(tier.has(k) for k in branch + regular)
+    # A branching request's spare store may replace the oldest branching window (spare room only): the prefix's
+    # tail, published first.
+    more = keys(1, tag="br2-")
+    assert [k for k, _ in tier.begin_store(more, spare=set(more))] == more
+    assert tier.has(branch[0]) and not tier.has(branch[1]) and tier.has(regular[0])
+
+
+@pytest.mark.parametrize("policy", ["lru", "slru", "arc"])
+def test_touching_a_shared_spare_window_keeps_it_past_newer_regular_entries(policy):
+    tier = TierIndex(5, [10], policy=policy)
+    branch = _store(tier, keys(2, tag="br"), spare=True)
+    regular = _store(tier, keys(3), unshared=True)
+    tier.touch(branch)  # a lookup found the prefix again
+    order = tier.evictable_keys()
+    assert set(order[:3]) == set(regular) and set(order[3:]) == set(branch)
+    assert _evict_order(tier, 5) == order
+
+
+class _NoPeek:
+    """A policy written before `peek` existed (named by module path): LRU, delegating everything but `peek`."""
+
+    def __init__(self, capacity_slots):
+        from offload_connector.scheduler.eviction.lru import LRUPolicy
+        self._lru = LRUPolicy(capacity_slots)
+
+    def __getattr__(self, name):
+        if name == "peek":
+            raise AttributeError(name)
+        return getattr(self._lru, name)
+
+
+def test_a_policy_without_peek_evicts_every_spare_window_first():
+    tier = TierIndex(4, [10], policy=_NoPeek(4))
+    assert not hasattr(tier.policy, "peek")
+    old = _store(tier, keys(2, tag="old"), unshared=True)
+    branch = _store(tier, keys(2, tag="br"), spare=True)
+    assert set(tier.evictable_keys()[:2]) == set(branch)
+    assert set(_evict_order(tier, 2)) == set(branch) and all(tier.has(k) for k in old)
+
+
+@pytest.mark.parametrize("policy", ["lru", "slru", "arc"])
+def test_peek_names_the_next_victim(policy):
+    tier = TierIndex(8, [10], policy=policy)
+    for i in range(6):
+        _store(tier, keys(1, tag=f"k{i}-"), unshared=i % 2 == 0)
+    tier.pin(keys(1, tag="k1-"))  # a served load: SLRU / ARC move it to their frequent segment
+    tier.unpin(keys(1, tag="k1-"))
+    while tier.policy.num_evictable():
+        expected = tier.policy.peek()
+        assert tier.policy.victim() == expected
+    assert tier.policy.peek() is None
