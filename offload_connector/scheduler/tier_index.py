@@ -12,14 +12,11 @@ index tells it when an entry is stored, becomes evictable, is pinned, serves a l
 a store or is dropped, and refuses a victim that is not a readable, unpinned entry.
 
 *Spare* entries are the ones a store marks so (windows of sliding-window and chunked-local groups at points no rule
-asked for, `scheduler/stores.py`): they take only room regular entries do not need. A spare entry gets a free slot or
-the slot of another spare entry, never a regular entry's; the policy never sees it. When a regular store needs a slot,
-the idle spare entries of requests that shared nothing when they arrived go first, oldest first; the spare entries
-of requests that did share a prefix (branching traffic: the next branch is likely to resume inside that prompt) go
-only when they were last used no later than the policy's next victim (`peek()`; a policy without it evicts every
-spare first). A spare entry that serves a load, or that a regular store offers again (`promote`), becomes a regular
-entry and the policy hears of it as newly stored. So a roomy tier holds every window, as vLLM's connector stores
-every block, and a full one keeps the regular entries plus the branching windows still in use.
+asked for, `scheduler/stores.py`): they take only room nobody else uses. A spare entry gets a free slot or the slot of
+another spare entry, never a regular entry's; when a regular store needs a slot, idle spare entries go first, oldest
+first, before the policy is asked; the policy never sees them. A spare entry that serves a load, or that a regular
+store offers again (`promote`), becomes a regular entry and the policy hears of it as newly stored. So a roomy tier
+holds every window, as vLLM's connector stores every block, and a full one holds exactly what it held without them.
 
 `clear()` (a cache reset) forgets every entry at once. An entry a copy still uses (pinned by an in-flight load, or
 being written by an in-flight store) leaves the index but keeps its slot, "retired": no lookup finds it and no store
@@ -47,8 +44,6 @@ class _Entry:
     ready: bool = False
     pins: int = 1  # created pinned by the store that fills it
     spare: bool = False
-    used: int = 0  # the tier's clock when the entry was last stored, released, loaded, touched or offered again
-    shared: bool = False  # a spare entry stored by a request that shared a prefix when it arrived
 
 
 @dataclass(frozen=True)
@@ -100,16 +95,11 @@ class TierIndex:
         self._used_bytes = 0
         self.evictions = 0
         self.store_rejections = 0
-        # Idle (readable, unpinned) spare entries, oldest first, unknown to the policy: those of requests that shared
-        # nothing when they arrived are the first victims; the others give way to older regular entries (`_take_slot`).
+        # Idle (readable, unpinned) spare entries, oldest first: the first victims, unknown to the policy.
         self._spare: OrderedDict[Key, None] = OrderedDict()
-        self._spare_shared: OrderedDict[Key, None] = OrderedDict()
         self.spare_evictions = 0
         self.spare_skips = 0
         self._promoted_ready: list[Key] = []  # readable spare entries promoted since `take_promoted`
-        # Ticks once per call that uses entries; `_Entry.used` orders spare entries against the policy's victim.
-        self._clock = 0
-        self._peek: Callable[[], Key | None] | None = getattr(self.policy, "peek", None)
         # Slots of entries removed by `clear()` while in-flight jobs used them -> jobs still to release each slot.
         self._retired: dict[int, int] = {}
         # Called with each key whose readable entry leaves the tier (eviction, drop, clear): KV cache events.
@@ -162,26 +152,15 @@ class TierIndex:
                         self._used_bytes)
 
     def is_evictable(self, key: Key) -> bool:
-        return key in self._spare or key in self._spare_shared or self.policy.is_evictable(key)
+        return key in self._spare or self.policy.is_evictable(key)
 
     def is_spare(self, key: Key) -> bool:
         entry = self._entries.get(key)
         return entry is not None and entry.spare
 
     def evictable_keys(self) -> list[Key]:
-        """The evictable entries in eviction order (first victim first): idle spare entries of unshared requests,
-        then the other spare entries and the policy's order merged as `_take_slot` takes them."""
-        shared, regular = list(self._spare_shared), self.policy.evictable_keys()
-        merged: list[Key] = []
-        i = j = 0
-        while i < len(shared) and j < len(regular) and self._peek is not None:
-            if self._entries[regular[j]].used < self._entries[shared[i]].used:
-                merged.append(regular[j])
-                j += 1
-            else:
-                merged.append(shared[i])
-                i += 1
-        return [*self._spare, *merged, *shared[i:], *regular[j:]]
+        """The evictable entries in eviction order (first victim first): idle spare entries, then the policy's."""
+        return [*self._spare, *self.policy.evictable_keys()]
 
     def pin_count(self, key: Key) -> int:
         entry = self._entries.get(key)
@@ -202,30 +181,24 @@ class TierIndex:
         """
         reserved: list[tuple[Key, int]] = []
         again: list[Key] = []
-        self._clock += 1
         # Optional in a policy named by module path: one written before the hint existed has no such method.
         hint = getattr(self.policy, "unshared", None) if unshared else None
         for key in keys:
             is_spare = key in spare
             entry = self._entries.get(key)
             if entry is not None:
-                entry.used = self._clock
                 if not is_spare:
                     if entry.spare:
                         self.promote([key])
                     elif entry.ready:
                         again.append(key)
-                elif entry.spare:  # a spare offer says nothing to the policy
-                    spares = self._spare_list(entry)
-                    if key in spares:
-                        spares.move_to_end(key)
+                elif key in self._spare:  # a spare offer says nothing to the policy
+                    self._spare.move_to_end(key)
                 continue
             if is_spare:
                 slot = self._free_slot()
-                # An unshared request's spare window never displaces a shared one's (`_victim_older_than_spare`).
-                victims = self._spare or (None if unshared else self._spare_shared)
-                if slot is None and victims:
-                    slot = self._evict_spare(victims)
+                if slot is None and self._spare:
+                    slot = self._evict_spare()
                 if slot is None:
                     self.spare_skips += 1
                     continue
@@ -235,8 +208,7 @@ class TierIndex:
                     self.store_rejections += 1
                     break
             nbytes = self._group_bytes[key[0]]
-            self._entries[key] = _Entry(slot=slot, nbytes=nbytes, spare=is_spare, used=self._clock,
-                                        shared=is_spare and not unshared)
+            self._entries[key] = _Entry(slot=slot, nbytes=nbytes, spare=is_spare)
             self._used_bytes += nbytes
             if not is_spare:
                 self.policy.stored(key)
@@ -255,7 +227,7 @@ class TierIndex:
             if entry is None or not entry.spare:
                 continue
             entry.spare = False
-            self._spare_list(entry).pop(key, None)
+            self._spare.pop(key, None)
             self.policy.stored(key)
             if entry.ready:
                 self._promoted_ready.append(key)
@@ -271,7 +243,6 @@ class TierIndex:
     def finish_store(self, keys: Sequence[Key], ok: bool = True) -> None:
         """Publish stored entries (or drop them if the copy failed). The tail of a prefix becomes evictable before
         its head, so that eviction shortens prefixes instead of punching holes in them."""
-        self._clock += 1
         for key in reversed(keys):
             entry = self._entries.get(key)
             if entry is None or entry.ready:
@@ -289,18 +260,15 @@ class TierIndex:
         """Pin readable entries against eviction and return their slots. `served`: for a load (the policy hears that
         they served one); False for a copy that only reads them (a disk tier write), which says nothing of reuse."""
         slots = []
-        self._clock += 1
         for key in keys:
             entry = self._entries[key]
             if not entry.ready:
                 raise KeyError(f"tier entry {key!r} is not readable yet")
             entry.pins += 1
-            if served:
-                entry.used = self._clock
             if not entry.spare:
                 self.policy.pin(key)
             else:
-                self._spare_list(entry).pop(key, None)
+                self._spare.pop(key, None)
                 if served:  # it served a load: a regular entry from now on (the policy hears it stored, pinned)
                     self.promote([key])
             if served and not entry.spare:
@@ -311,12 +279,10 @@ class TierIndex:
     def has_room(self, n: int) -> bool:
         """Whether `begin_store` of `n` new keys would get a slot for each now (free slots and idle entries to
         evict)."""
-        free = (self.capacity_slots - self._next_slot + len(self._free_slots) + len(self._spare)
-                + len(self._spare_shared))
+        free = self.capacity_slots - self._next_slot + len(self._free_slots) + len(self._spare)
         return free >= n or free + self.policy.num_evictable() >= n
 
     def unpin(self, keys: Sequence[Key]) -> None:
-        self._clock += 1
         for key in reversed(keys):
             entry = self._entries.get(key)
             if entry is None:
@@ -328,16 +294,14 @@ class TierIndex:
 
     def touch(self, keys: Sequence[Key]) -> None:
         """Mark a prefix as recently used, tail first so that its head is the most recent."""
-        self._clock += 1
         for key in reversed(keys):
             entry = self._entries.get(key)
             if entry is None:
                 continue
-            entry.used = self._clock
             if not entry.spare:
                 self.policy.touch(key)
-            elif key in self._spare_list(entry):
-                self._spare_list(entry).move_to_end(key)
+            elif key in self._spare:
+                self._spare.move_to_end(key)
 
     def drop(self, keys: Iterable[Key]) -> None:
         """Forget the entries of a failed load. Entries another load still pins are kept: its copy is reading them,
@@ -362,7 +326,6 @@ class TierIndex:
                 self._free_slots.append(entry.slot)
         self._entries.clear()
         self._spare.clear()
-        self._spare_shared.clear()
         self._promoted_ready.clear()
         self.policy.clear()
         self._used_bytes = 0
@@ -408,9 +371,7 @@ class TierIndex:
         if slot is not None:
             return slot
         if self._spare:
-            return self._evict_spare(self._spare)
-        if self._spare_shared and not self._victim_older_than_spare():
-            return self._evict_spare(self._spare_shared)
+            return self._evict_spare()
         victim = self.policy.victim()
         if victim is None:
             return None
@@ -425,28 +386,8 @@ class TierIndex:
             self.on_removed(victim)
         return entry.slot
 
-    def _victim_older_than_spare(self) -> bool:
-        """Whether the policy's next victim was last used before the oldest idle spare entry of a request that shared
-        a prefix. Such a request shows traffic that branches off shared prefixes (siblings, retries, tool calls), so
-        its windows at points no rule asked for are where the next branch is likely to resume: worth less than the
-        blocks stored beside them, not less than an older entry nobody came back for. (Spare-first eviction let the
-        stores of one-shot traffic empty the tier of every such window, however fresh, before the policy's oldest
-        entry went; vLLM's connector, which stores every block in one LRU order, then recomputed 28x fewer tokens on
-        decode-heavy with five 4,096-token windows.) A spare window of a request that shared nothing goes first: if
-        that request returns, it resumes at its end, a regular point."""
-        if self._peek is None:
-            return False
-        victim = self._peek()
-        if victim is None:
-            return False
-        oldest_spare = self._entries[next(iter(self._spare_shared))]
-        return self._entries[victim].used < oldest_spare.used
-
-    def _spare_list(self, entry: _Entry) -> OrderedDict[Key, None]:
-        return self._spare_shared if entry.shared else self._spare
-
-    def _evict_spare(self, spares: OrderedDict[Key, None]) -> int:
-        key, _ = spares.popitem(last=False)
+    def _evict_spare(self) -> int:
+        key, _ = self._spare.popitem(last=False)
         entry = self._entries.pop(key)
         self.evictions += 1
         self.spare_evictions += 1
@@ -457,18 +398,16 @@ class TierIndex:
 
     def _release(self, key: Key, entry: _Entry) -> None:
         """An entry became idle (readable, unpinned): evictable, spare ones first."""
-        entry.used = self._clock
         if entry.spare:
-            spares = self._spare_list(entry)
-            spares[key] = None
-            spares.move_to_end(key)
+            self._spare[key] = None
+            self._spare.move_to_end(key)
         else:
             self.policy.release(key)
 
     def _drop(self, key: Key, free_slot: bool = True) -> None:
         entry = self._entries.pop(key)
         if entry.spare:
-            self._spare_list(entry).pop(key, None)
+            self._spare.pop(key, None)
         else:
             self.policy.removed(key)
         self._used_bytes -= entry.nbytes

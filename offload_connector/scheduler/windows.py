@@ -20,8 +20,7 @@ the prompt useless (its full-attention blocks are there, its window is not). The
   resume exactly there.
 
 Every other boundary's window is stored as a *spare* (`spare_windows`, on by default): in CPU-tier room no regular
-entry needs: evicted first when the request shared nothing, and in age order against the policy's victims when it
-shared a prefix (`tier_index.py`). A tier with room then resumes any prefix at its last
+entry uses, evicted before anything else (`tier_index.py`). A tier with room then resumes any prefix at its last
 block boundary, whatever the window, the block sizes or where the traffic shares prefixes; a tier under pressure
 keeps the points above. Chunked-local groups are stored regular at those boundaries instead (`stores.py`): a chunk's
 windows nest, so each of its blocks serves every later point of the chunk, as a full-attention block does.

@@ -92,11 +92,6 @@ class ARCPolicy(EvictionPolicy):
         if key in self._list:
             self._leave(key)
 
-    def peek(self) -> Key | None:
-        if self._t1 and (self._sizes[1] > self.p or not self._t2):
-            return next(iter(self._t1))
-        return next(iter(self._t2), None)
-
     def victim(self) -> Key | None:
         if self._t1 and (self._sizes[1] > self.p or not self._t2):
             key = self._t1.popitem(last=False)[0]

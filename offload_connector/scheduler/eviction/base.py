@@ -22,8 +22,6 @@ order. `TierIndex` calls a policy at these points, and only there:
 * `victim()`: pick one evictable entry, forget it (the tier evicts it) and return its key; None when none is
   evictable. It must return a key the policy was given by `release` and not taken back by `pin` / `removed`:
   `TierIndex` refuses anything else (a pinned or unreadable entry is never evicted, whatever the policy).
-* `peek()`: the key `victim()` would return now, without changing anything; None when none is evictable. Optional
-  (not in `POLICY_METHODS`): without it the tier evicts every idle spare entry before asking for a victim.
 * `clear()`: a cache reset: every entry is gone.
 * `is_evictable(key)`, `evictable_keys()` (eviction order, first victim first): for the invariant checks.
 

@@ -34,9 +34,6 @@ class LRUPolicy(EvictionPolicy):
             return None
         return self._order.popitem(last=False)[0]
 
-    def peek(self) -> Key | None:
-        return next(iter(self._order), None)
-
     def clear(self) -> None:
         self._order.clear()
 

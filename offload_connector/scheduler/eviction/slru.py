@@ -126,12 +126,6 @@ class SegmentedLRUPolicy(EvictionPolicy):
         self._served.discard(key)
         self._unshared.discard(key)
 
-    def peek(self) -> Key | None:
-        cls = self._victim_class()
-        if cls is not None:
-            return next(iter(self._probation[cls]))
-        return next(iter(self._protected), None)
-
     def victim(self) -> Key | None:
         cls = self._victim_class()
         if cls is not None:
