@@ -8,7 +8,7 @@ import math
 import os
 import re
 from collections.abc import Iterator
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 from fractions import Fraction
 from typing import TYPE_CHECKING, Any, Mapping
 
@@ -29,6 +29,36 @@ EVICTION_POLICIES = tuple(_POLICY_REGISTRY)  # or "module.path:ClassName" (offlo
 
 class ConfigError(ValueError):
     """A `kv_connector_extra_config` value the connector cannot run with."""
+
+
+@dataclass(frozen=True)
+class DebugConfig:
+    """The `debug` section: fault injection and test aids, wrapped around the worker's copies by worker/faults.py
+    only when one of them is on. Never set in production."""
+
+    # Overwrite the first block of every load right after its copy, so that output comparisons (and verify_loads)
+    # can be shown to fail.
+    corrupt_load: bool = False
+    # Report every load as failed without copying.
+    fail_load: bool = False
+    # On some workers only: the worker ranks (pp_rank x tensor_parallel_size + tp_rank) that report every load /
+    # every store as failed without copying; the other ranks copy normally.
+    fail_load_ranks: tuple[int, ...] = ()
+    fail_store_ranks: tuple[int, ...] = ()
+    # Report each landed load this many steps late, so that a CPU engine (whose copies finish within the step) has
+    # loads in flight across steps, as a GPU engine does.
+    load_delay_steps: int = 0
+    # Issue the copy of every load this many seconds after the load is submitted (it has not landed until then), so
+    # a CPU engine can exercise load_timeout_s against a load that genuinely has not landed.
+    copy_delay_s: float = 0.0
+
+    @property
+    def enabled(self) -> bool:
+        return self != DebugConfig()
+
+
+# The flat keys the `debug` section replaced, still accepted (with one warning) so that scripts keep working.
+DEPRECATED_DEBUG_KEYS = {f"debug_{f.name}": f.name for f in fields(DebugConfig)}
 
 
 @dataclass(frozen=True)
@@ -85,25 +115,10 @@ class OffloadConfig:
     load_completion: str = "ordered"
     # How the worker moves bytes; "auto" measures the candidates at start-up on a GPU.
     transfer_backend: str = "auto"
-    # Fault injection for tests: overwrite the first block of every load after it lands, so that output
-    # comparisons can be shown to fail. Never set this in production.
-    debug_corrupt_load: bool = False
-    # Fault injection for tests: report every load as failed without copying.
-    debug_fail_load: bool = False
-    # Fault injection for tests, on some workers only: the worker ranks (pp_rank x tensor_parallel_size + tp_rank)
-    # that report every load / every store as failed without copying; the other ranks copy normally.
-    debug_fail_load_ranks: tuple[int, ...] = ()
-    debug_fail_store_ranks: tuple[int, ...] = ()
-    # Test aid: report each landed load this many steps late, so that a CPU engine (whose copies finish within the
-    # step) has loads in flight across steps, as a GPU engine does.
-    debug_load_delay_steps: int = 0
     # Check every load against checksums taken when its blocks were stored (per host slot, over every page of the
     # block, computed where the KV cache lives: on CUDA only the 8-byte sums cross to the host). A mismatch fails the
     # load like a late one (failed_recving; kv_load_failure_policy decides), counted in load_verify_failures_total.
     verify_loads: bool = False
-    # Test aid: the copy of every load is issued this many seconds after the load is submitted (it has not landed
-    # until then), so a CPU engine can exercise load_timeout_s against a load that genuinely has not landed.
-    debug_copy_delay_s: float = 0.0
     # The disk tier (off unless both are set): a local directory and its byte budget per worker. Every block that
     # lands in the CPU tier is also written there in the background (write-through, so evicting a block from the
     # CPU tier never waits for I/O), a lookup extends into it, and a hit is read back into the CPU tier before its
@@ -128,12 +143,14 @@ class OffloadConfig:
     # with remote_allow_unauthenticated that every writer of the store is trusted (CRC-32 checks only).
     remote_secret_file: str | None = None
     remote_allow_unauthenticated: bool = False
+    # Fault injection and test aids (`"debug": {...}`, worker/faults.py): all off unless named. Never in production.
+    debug: DebugConfig = field(default_factory=DebugConfig)
 
     @classmethod
     def from_extra_config(cls, extra: Mapping[str, object] | None) -> "OffloadConfig":
         extra = dict(extra or {})
         known = {f.name for f in fields(cls)}
-        unknown = sorted(set(extra) - known)
+        unknown = sorted(set(extra) - known - set(DEPRECATED_DEBUG_KEYS))
         if unknown:
             raise ConfigError(
                 f"kv_connector_extra_config: unknown key(s) {unknown}; accepted keys are {sorted(known)}")
@@ -182,23 +199,11 @@ class OffloadConfig:
             values["load_completion"] = _choice("load_completion", extra.pop("load_completion"), LOAD_COMPLETIONS)
         if "load_timeout_s" in extra:
             values["load_timeout_s"] = _non_negative_float("load_timeout_s", extra.pop("load_timeout_s"))
-        if "debug_load_delay_steps" in extra:
-            value = extra.pop("debug_load_delay_steps")
-            values["debug_load_delay_steps"] = 0 if value == 0 and not isinstance(value, bool) else \
-                _positive_int("debug_load_delay_steps", value)
-        if "debug_fail_load" in extra:
-            values["debug_fail_load"] = _bool("debug_fail_load", extra.pop("debug_fail_load"))
-        for key in ("debug_fail_load_ranks", "debug_fail_store_ranks"):
-            if key in extra:
-                values[key] = _ranks(key, extra.pop(key))
-        if "debug_corrupt_load" in extra:
-            values["debug_corrupt_load"] = _bool("debug_corrupt_load", extra.pop("debug_corrupt_load"))
         if "spare_windows" in extra:
             values["spare_windows"] = _bool("spare_windows", extra.pop("spare_windows"))
         if "verify_loads" in extra:
             values["verify_loads"] = _bool("verify_loads", extra.pop("verify_loads"))
-        if "debug_copy_delay_s" in extra:
-            values["debug_copy_delay_s"] = _non_negative_float("debug_copy_delay_s", extra.pop("debug_copy_delay_s"))
+        values["debug"] = _debug_section(extra)
         if "disk_path" in extra:
             values["disk_path"] = _disk_path(extra.pop("disk_path"))
         if "disk_bytes" in extra:
@@ -508,6 +513,65 @@ def _ranks(key: str, value: object) -> tuple[int, ...]:
     return tuple(sorted(set(value)))
 
 
+def _debug_section(extra: dict[str, object]) -> DebugConfig:
+    """Pops the `debug` section, and the flat `debug_*` keys it replaced, from `extra`: one DebugConfig."""
+    section = extra.pop("debug", None)
+    if section is None:
+        section = {}
+    elif not isinstance(section, Mapping) or not all(isinstance(k, str) for k in section):
+        raise ConfigError(f"kv_connector_extra_config: 'debug' must be a JSON object of test aids (keys "
+                          f"{_debug_keys()}); got {section!r}")
+    unknown = sorted(f"debug.{k}" for k in set(section) - {f.name for f in fields(DebugConfig)})
+    if unknown:
+        raise ConfigError(f"kv_connector_extra_config: unknown key(s) {unknown}; accepted keys in 'debug' are "
+                          f"{_debug_keys()}")
+    # Named as written, so that an error points at the key in the operator's JSON.
+    given = {name: (f"debug.{name}", value) for name, value in section.items()}
+    aliases = sorted(k for k in DEPRECATED_DEBUG_KEYS if k in extra)
+    for alias in aliases:
+        name = DEPRECATED_DEBUG_KEYS[alias]
+        if name in given:
+            raise ConfigError(f"kv_connector_extra_config: '{alias}' (deprecated) and 'debug.{name}' are both "
+                              f"given; keep 'debug.{name}'")
+        given[name] = (alias, extra.pop(alias))
+    if aliases:
+        _warn_deprecated(aliases)
+    values: dict[str, Any] = {}
+    for name, (key, value) in given.items():
+        if name in ("corrupt_load", "fail_load"):
+            values[name] = _bool(key, value)
+        elif name in ("fail_load_ranks", "fail_store_ranks"):
+            values[name] = _ranks(key, value)
+        elif name == "load_delay_steps":
+            # As before the section: a whole float (3.0) is accepted as the integer it is.
+            whole = isinstance(value, int) or isinstance(value, float) and value.is_integer()
+            if isinstance(value, bool) or not whole or value < 0:
+                raise ConfigError(f"kv_connector_extra_config: '{key}' must be an integer >= 0 (steps; 0 disables "
+                                  f"it); got {value!r}")
+            values[name] = int(value)
+        else:
+            values[name] = _non_negative_float(key, value)
+    return DebugConfig(**values)
+
+
+def _debug_keys() -> list[str]:
+    return [f"debug.{f.name}" for f in fields(DebugConfig)]
+
+
+_WARNED_ALIASES: set[tuple[str, ...]] = set()  # once per process: both sides of the connector parse the same keys
+
+
+def _warn_deprecated(aliases: list[str]) -> None:
+    if tuple(aliases) in _WARNED_ALIASES:
+        return
+    _WARNED_ALIASES.add(tuple(aliases))
+    from offload_connector.log import get_logger
+    section = ", ".join(f'"{DEPRECATED_DEBUG_KEYS[a]}": ...' for a in aliases)
+    get_logger(__name__).warning("kv_connector_extra_config: %s deprecated; write them in the debug section: "
+                                 '"debug": {%s}', f"{aliases} are" if len(aliases) > 1 else f"'{aliases[0]}' is",
+                                 section)
+
+
 # `value` is Any, not object: `value in accepted` proves it a str, but type checkers do not narrow on that.
 def _choice(key: str, value: Any, accepted: tuple[str, ...]) -> str:
     if value not in accepted:
@@ -527,11 +591,11 @@ def check_at_startup(vllm_config: VllmConfig) -> OffloadConfig:
     cfg = OffloadConfig.from_extra_config(vllm_config.kv_transfer_config.kv_connector_extra_config)
     pc = getattr(vllm_config, "parallel_config", None)
     ranks = int(getattr(pc, "tensor_parallel_size", 1)) * int(getattr(pc, "pipeline_parallel_size", 1))
-    for key in ("debug_fail_load_ranks", "debug_fail_store_ranks"):
-        if any(r >= ranks for r in getattr(cfg, key)):
-            raise ConfigError(f"kv_connector_extra_config: '{key}' must name worker ranks 0..{ranks - 1} "
-                              f"(tensor_parallel_size x pipeline_parallel_size = {ranks}); "
-                              f"got {list(getattr(cfg, key))}")
+    for key in ("fail_load_ranks", "fail_store_ranks"):
+        named = getattr(cfg.debug, key)
+        if any(r >= ranks for r in named):
+            raise ConfigError(f"kv_connector_extra_config: 'debug.{key}' must name worker ranks 0..{ranks - 1} "
+                              f"(tensor_parallel_size x pipeline_parallel_size = {ranks}); got {list(named)}")
     if not _HOST_CHECK.get():
         return cfg
     workers = local_worker_count(vllm_config)

@@ -24,7 +24,7 @@ Script (all keys but "model" and "actions" optional):
         {"op": "corrupt_loads", "count": 1},     # arm fault injection for the next `count` finished loads
         {"op": "state"},                         # the connector's state now: scheduler side and every worker
         {"op": "barrier", "name": "kill"},       # tell the parent (EngineRun.wait) and wait for it (EngineRun.go)
-        {"op": "clear_worker_faults", "loads": true, "stores": false}]}  # end debug_fail_*_ranks faults from now on
+        {"op": "clear_worker_faults", "loads": true, "stores": false}]}  # end debug.fail_*_ranks faults from now on
 
 Result: {"layout": [...], "num_blocks": N, "actions": [per-action results]}; a generate result holds, per request,
 `token_ids`, `num_cached_tokens` (what vLLM reports in RequestOutput: local + external prefix hits, counted when the
@@ -806,22 +806,26 @@ def _worker_state(worker: Any) -> dict[str, Any] | None:
     if side is None or side.engine is None:
         return None
     from offload_connector.worker.side import worker_rank
-    return {"rank": worker_rank(), "fail_loads": side._fail_loads, "fail_stores": side._fail_stores,
-            "pending": side.engine.pending(), "stores_of": len(side._stores_of), "delayed": len(side._delayed),
-            "held_loads": len(side._held_loads)}
+    faults = side.faults  # worker/faults.py: None without a debug section
+    return {"rank": worker_rank(), "fail_loads": bool(faults and faults.fail_loads),
+            "fail_stores": bool(faults and faults.fail_stores), "pending": side.engine.pending(),
+            "stores_of": len(side._stores_of), "delayed": len(side._delayed),
+            "held_loads": len(side._landed) + (len(faults.held) if faults else 0)}
 
 
 def _clear_worker_faults(worker: Any, loads: bool, stores: bool) -> dict[str, Any] | None:
-    """Runs in each worker process: stop the injected load and/or store failures (debug_fail_*_ranks) from now on."""
+    """Runs in each worker process: stop the injected load and/or store failures (debug.fail_*_ranks) from now on."""
     from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
     if not has_kv_transfer_group():
         return None
-    side = get_kv_transfer_group().worker_side
+    faults = get_kv_transfer_group().worker_side.faults  # worker/faults.py; the engine reads it at every submit
+    if faults is None:
+        return {"fail_loads": False, "fail_stores": False}
     if loads:
-        side._fail_loads = side.engine._fail_loads = False
+        faults.fail_loads = False
     if stores:
-        side._fail_stores = side.engine._fail_stores = False
-    return {"fail_loads": side._fail_loads, "fail_stores": side._fail_stores}
+        faults.fail_stores = False
+    return {"fail_loads": faults.fail_loads, "fail_stores": faults.fail_stores}
 
 
 def _snapshot(sconn: Any) -> Any:

@@ -84,7 +84,7 @@ def test_detects_a_flipped_bit_moved_chunks_and_swapped_pages():
     p0, p1 = views[0][2].clone(), views[1][2].clone()
     views[0][2], views[1][2] = p1, p0
     assert ck.compute(0, [2]).item() != before
-    # The negation debug_corrupt_load applies (top bit of every other byte).
+    # The negation debug.corrupt_load applies (top bit of every other byte).
     views[0][2], views[1][2] = p0, p1
     views[0][2][1::2] ^= 0x80
     assert ck.compute(0, [2]).item() != before

@@ -1,6 +1,6 @@
 import pytest
 
-from offload_connector.config import ConfigError, OffloadConfig
+from offload_connector.config import ConfigError, DebugConfig, OffloadConfig
 
 
 def test_defaults_and_suffixes():
@@ -28,12 +28,12 @@ def test_defaults_and_suffixes():
     ({"cpu_bytes": 10, "deferral_fallback": "recompute"}, "unknown key(s) ['deferral_fallback']"),
     ({"cpu_bytes": 10, "transfer_backend": "dma"},
      "'transfer_backend' must be one of ['auto', 'reference', 'kernel', 'batch', 'per_page', 'host']"),
-    ({"cpu_bytes": 10, "debug_corrupt_load": "yes"}, "'debug_corrupt_load' must be true or false"),
+    ({"cpu_bytes": 10, "debug": {"corrupt_load": "yes"}}, "'debug.corrupt_load' must be true or false"),
     ({"cpu_bytes": 10, "stall_watchdog_steps": -1}, "'stall_watchdog_steps' must be a positive integer"),
     ({"cpu_bytes": 10, "load_timeout_s": -1}, "'load_timeout_s' must be a number of seconds >= 0"),
     ({"cpu_bytes": 10, "load_timeout_s": "5s"}, "'load_timeout_s' must be a number of seconds >= 0"),
-    ({"cpu_bytes": 10, "debug_fail_load": 1}, "'debug_fail_load' must be true or false"),
-    ({"cpu_bytes": 10, "debug_load_delay_steps": -2}, "'debug_load_delay_steps' must be a positive integer"),
+    ({"cpu_bytes": 10, "debug": {"fail_load": 1}}, "'debug.fail_load' must be true or false"),
+    ({"cpu_bytes": 10, "debug": {"load_delay_steps": -2}}, "'debug.load_delay_steps' must be an integer >= 0"),
     ({"cpu_bytes": 10, "fair_hold_after_steps": -3}, "'fair_hold_after_steps' must be a positive integer"),
     ({"cpu_bytes": 10, "admission_policy": "fifo"}, "'admission_policy' must be one of ['fair', 'greedy']"),
     ({"cpu_bytes": 10, "load_completion": "soon"}, "'load_completion' must be one of ['ordered', 'landed']"),
@@ -295,8 +295,8 @@ def test_vllm_config_construction_reaches_the_cudagraph_hook(monkeypatch):
 @pytest.mark.parametrize("extra, needle", [
     ({"cpu_bytes": 10, "verify_loads": "on"}, "'verify_loads' must be true or false"),
     ({"cpu_bytes": 10, "verify_loads": 1}, "'verify_loads' must be true or false"),
-    ({"cpu_bytes": 10, "debug_copy_delay_s": -0.5}, "'debug_copy_delay_s' must be a number of seconds >= 0"),
-    ({"cpu_bytes": 10, "debug_copy_delay_s": "2s"}, "'debug_copy_delay_s' must be a number of seconds >= 0"),
+    ({"cpu_bytes": 10, "debug": {"copy_delay_s": -0.5}}, "'debug.copy_delay_s' must be a number of seconds >= 0"),
+    ({"cpu_bytes": 10, "debug": {"copy_delay_s": "2s"}}, "'debug.copy_delay_s' must be a number of seconds >= 0"),
 ])
 def test_verify_loads_and_copy_delay_are_validated(extra, needle):
     with pytest.raises(ConfigError) as err:
@@ -306,31 +306,104 @@ def test_verify_loads_and_copy_delay_are_validated(extra, needle):
 
 def test_verify_loads_and_copy_delay_defaults():
     cfg = OffloadConfig.from_extra_config({"cpu_bytes": 10})
-    assert cfg.verify_loads is False and cfg.debug_copy_delay_s == 0.0
-    cfg = OffloadConfig.from_extra_config({"cpu_bytes": 10, "verify_loads": True, "debug_copy_delay_s": 2})
-    assert cfg.verify_loads is True and cfg.debug_copy_delay_s == 2.0
+    assert cfg.verify_loads is False and cfg.debug.copy_delay_s == 0.0
+    cfg = OffloadConfig.from_extra_config({"cpu_bytes": 10, "verify_loads": True, "debug": {"copy_delay_s": 2}})
+    assert cfg.verify_loads is True and cfg.debug.copy_delay_s == 2.0
 
 
-@pytest.mark.parametrize("key", ["debug_fail_load_ranks", "debug_fail_store_ranks"])
+@pytest.mark.parametrize("key", ["fail_load_ranks", "fail_store_ranks"])
 @pytest.mark.parametrize("value", [1, "1", [True], [-1], [1.0], None, {"1": 1}])
 def test_debug_fail_ranks_are_validated(key, value):
     with pytest.raises(ConfigError) as err:
-        OffloadConfig.from_extra_config({"cpu_bytes": 10, key: value})
-    assert str(err.value) == (f"kv_connector_extra_config: '{key}' must be a list of worker ranks (integers >= 0, "
-                              f"pp_rank x tensor_parallel_size + tp_rank; e.g. [1]); got {value!r}")
+        OffloadConfig.from_extra_config({"cpu_bytes": 10, "debug": {key: value}})
+    assert str(err.value) == (f"kv_connector_extra_config: 'debug.{key}' must be a list of worker ranks (integers "
+                              f">= 0, pp_rank x tensor_parallel_size + tp_rank; e.g. [1]); got {value!r}")
 
 
 def test_debug_fail_ranks_parse_and_must_name_ranks_the_engine_has(monkeypatch):
     import offload_connector.config as config
     cfg = OffloadConfig.from_extra_config({"cpu_bytes": 10})
-    assert cfg.debug_fail_load_ranks == cfg.debug_fail_store_ranks == ()
-    cfg = OffloadConfig.from_extra_config({"cpu_bytes": 10, "debug_fail_load_ranks": [3, 1, 3],
-                                           "debug_fail_store_ranks": []})
-    assert cfg.debug_fail_load_ranks == (1, 3) and cfg.debug_fail_store_ranks == ()
+    assert cfg.debug.fail_load_ranks == cfg.debug.fail_store_ranks == ()
+    cfg = OffloadConfig.from_extra_config({"cpu_bytes": 10, "debug": {"fail_load_ranks": [3, 1, 3],
+                                                                      "fail_store_ranks": []}})
+    assert cfg.debug.fail_load_ranks == (1, 3) and cfg.debug.fail_store_ranks == ()
     monkeypatch.setattr(config, "host_available_bytes", lambda: None)
-    extra = {"cpu_bytes": 10, "debug_fail_store_ranks": [3]}
-    assert check_at_startup(_vllm_config(extra, tp=2, pp=2)).debug_fail_store_ranks == (3,)
+    extra = {"cpu_bytes": 10, "debug": {"fail_store_ranks": [3]}}
+    assert check_at_startup(_vllm_config(extra, tp=2, pp=2)).debug.fail_store_ranks == (3,)
     with pytest.raises(ConfigError) as err:
         check_at_startup(_vllm_config(extra, tp=2))
-    assert str(err.value) == ("kv_connector_extra_config: 'debug_fail_store_ranks' must name worker ranks 0..1 "
+    assert str(err.value) == ("kv_connector_extra_config: 'debug.fail_store_ranks' must name worker ranks 0..1 "
                               "(tensor_parallel_size x pipeline_parallel_size = 2); got [3]")
+
+
+# ------------------------------------------------------------------------------------------- the debug section
+def test_debug_section_defaults_to_all_off():
+    cfg = OffloadConfig.from_extra_config({"cpu_bytes": 10})
+    assert cfg.debug == DebugConfig() and not cfg.debug.enabled
+    assert OffloadConfig.from_extra_config({"cpu_bytes": 10, "debug": {}}).debug == DebugConfig()
+    assert OffloadConfig.from_extra_config({"cpu_bytes": 10, "debug": None}).debug == DebugConfig()
+
+
+def test_debug_section_parses_every_key():
+    cfg = OffloadConfig.from_extra_config({"cpu_bytes": 10, "debug": {
+        "corrupt_load": True, "fail_load": False, "fail_load_ranks": [2, 0, 2], "fail_store_ranks": [1],
+        "load_delay_steps": 3, "copy_delay_s": 0.5}})
+    assert cfg.debug == DebugConfig(corrupt_load=True, fail_load=False, fail_load_ranks=(0, 2), fail_store_ranks=(1,),
+                                    load_delay_steps=3, copy_delay_s=0.5)
+    assert cfg.debug.enabled
+    assert OffloadConfig.from_extra_config({"cpu_bytes": 10, "debug": {"load_delay_steps": 2.0}}).debug == \
+        DebugConfig(load_delay_steps=2)
+
+
+@pytest.mark.parametrize("section, message", [
+    ({"corrupt": True}, "kv_connector_extra_config: unknown key(s) ['debug.corrupt']; accepted keys in 'debug' are "
+                        "['debug.corrupt_load', 'debug.fail_load', 'debug.fail_load_ranks', 'debug.fail_store_ranks', "
+                        "'debug.load_delay_steps', 'debug.copy_delay_s']"),
+    ({"fail_load": "yes"}, "kv_connector_extra_config: 'debug.fail_load' must be true or false; got 'yes'"),
+    ({"load_delay_steps": True}, "kv_connector_extra_config: 'debug.load_delay_steps' must be an integer >= 0 (steps; "
+                                 "0 disables it); got True"),
+    ({"load_delay_steps": 1.5}, "kv_connector_extra_config: 'debug.load_delay_steps' must be an integer >= 0 (steps; "
+                                "0 disables it); got 1.5"),
+    ({"copy_delay_s": float("inf")}, "kv_connector_extra_config: 'debug.copy_delay_s' must be a number of seconds >= "
+                                     "0 (0 disables it); got inf"),
+    ({"fail_store_ranks": [-1]}, "kv_connector_extra_config: 'debug.fail_store_ranks' must be a list of worker ranks "
+                                 "(integers >= 0, pp_rank x tensor_parallel_size + tp_rank; e.g. [1]); got [-1]"),
+])
+def test_debug_section_names_the_bad_key(section, message):
+    with pytest.raises(ConfigError) as err:
+        OffloadConfig.from_extra_config({"cpu_bytes": 10, "debug": section})
+    assert str(err.value) == message
+
+
+@pytest.mark.parametrize("section", [True, [1], "fail_load", 3])
+def test_debug_section_must_be_an_object(section):
+    with pytest.raises(ConfigError, match=r"'debug' must be a JSON object of test aids \(keys \['debug.corrupt_load'"):
+        OffloadConfig.from_extra_config({"cpu_bytes": 10, "debug": section})
+
+
+def test_flat_debug_keys_are_deprecated_aliases_of_the_section(monkeypatch, caplog):
+    import offload_connector.config as config
+    monkeypatch.setattr(config, "_WARNED_ALIASES", set())
+    extra = {"cpu_bytes": 10, "debug_fail_load_ranks": [1], "debug_load_delay_steps": 3, "debug_copy_delay_s": 2,
+             "debug": {"corrupt_load": True}}
+    for _ in range(2):
+        cfg = OffloadConfig.from_extra_config(extra)
+        assert cfg.debug == DebugConfig(corrupt_load=True, fail_load_ranks=(1,), load_delay_steps=3, copy_delay_s=2.0)
+    warnings = {id(r): r.getMessage() for r in caplog.records if "deprecated" in r.getMessage()}
+    assert list(warnings.values()) == [
+        "kv_connector_extra_config: ['debug_copy_delay_s', 'debug_fail_load_ranks', 'debug_load_delay_steps'] are "
+        'deprecated; write them in the debug section: "debug": {"copy_delay_s": ..., "fail_load_ranks": ..., '
+        '"load_delay_steps": ...}']
+    # A bad value names the key as written.
+    with pytest.raises(ConfigError, match="'debug_fail_load' must be true or false"):
+        OffloadConfig.from_extra_config({"cpu_bytes": 10, "debug_fail_load": 1})
+    with pytest.raises(ConfigError) as err:
+        OffloadConfig.from_extra_config({"cpu_bytes": 10, "debug_fail_load": True, "debug": {"fail_load": True}})
+    assert str(err.value) == ("kv_connector_extra_config: 'debug_fail_load' (deprecated) and 'debug.fail_load' are "
+                              "both given; keep 'debug.fail_load'")
+
+
+def test_the_accepted_keys_name_the_section_not_the_aliases():
+    with pytest.raises(ConfigError) as err:
+        OffloadConfig.from_extra_config({"cpu_bytes": 10, "nope": 1})
+    assert "'debug'" in str(err.value) and "debug_" not in str(err.value)

@@ -6,7 +6,7 @@ import re
 from dataclasses import fields
 from pathlib import Path
 
-from offload_connector.config import OffloadConfig
+from offload_connector.config import DebugConfig, OffloadConfig
 from offload_connector.metrics_prom import METRIC_NAMES
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -30,6 +30,13 @@ def test_the_configuration_table_names_every_key_the_config_accepts():
     documented = {key for cell in cells for key in re.findall(r"`([a-z_]+)`", cell)}
     accepted = {f.name for f in fields(OffloadConfig)}
     assert documented == accepted, (sorted(accepted - documented), sorted(documented - accepted))
+
+
+def test_the_debug_row_names_every_key_of_the_debug_section():
+    row = next(line for line in README.split("### Configuration keys", 1)[1].splitlines()
+               if line.startswith("| `debug` |"))
+    documented = set(re.findall(r"`([a-z_]+)`", row.split("|")[3]))
+    assert {f.name for f in fields(DebugConfig)} <= documented
 
 
 def test_the_metrics_table_names_every_series_the_connector_registers():

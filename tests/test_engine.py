@@ -147,11 +147,11 @@ def test_corrupting_one_loaded_block_changes_the_output(baseline: dict, offloade
 
 
 def test_debug_corrupt_load_key_changes_the_output(model_dir: str, baseline: dict) -> None:
-    """The connector's own fault injection (`debug_corrupt_load`: the worker corrupts what it loads)."""
+    """The connector's own fault injection (`debug.corrupt_load`: the worker corrupts what it loads)."""
     from offload_connector.config import OffloadConfig
-    if "debug_corrupt_load" not in OffloadConfig.__dataclass_fields__:
-        pytest.skip("this build of the connector has no debug_corrupt_load key")
-    script = _reload_script(model_dir, connector_config(cpu_bytes="256Mi", debug_corrupt_load=True))
+    if "debug" not in OffloadConfig.__dataclass_fields__:
+        pytest.skip("this build of the connector has no debug section")
+    script = _reload_script(model_dir, connector_config(cpu_bytes="256Mi", debug={"corrupt_load": True}))
     script["actions"] = script["actions"][:4]  # up to and including the reload
     res = run_engine(script, timeout=420)
     got = _out(res, "reload")
@@ -162,9 +162,9 @@ def test_debug_corrupt_load_key_changes_the_output(model_dir: str, baseline: dic
 
 
 def test_failed_loads_are_recomputed_and_outputs_stay_correct(model_dir: str, baseline: dict) -> None:
-    """Every load fails (`debug_fail_load`); with `kv_load_failure_policy: recompute` vLLM recomputes the prefix and
+    """Every load fails (`debug.fail_load`); with `kv_load_failure_policy: recompute` vLLM recomputes the prefix and
     the output is still the reference, and the failure is counted."""
-    kv = connector_config(cpu_bytes="256Mi", debug_fail_load=True)
+    kv = connector_config(cpu_bytes="256Mi", debug={"fail_load": True})
     kv["kv_load_failure_policy"] = "recompute"
     script = _reload_script(model_dir, kv)
     script["actions"] = script["actions"][:4]  # up to and including the reload
@@ -204,9 +204,9 @@ def _abort_then_reload(model_dir: str, baseline: dict, abort_after: int, **extra
 
 
 def test_abort_mid_load_then_the_prefix_loads_again(model_dir: str, baseline: dict) -> None:
-    """With loads reported 3 steps late (`debug_load_delay_steps`, so a CPU engine has loads in flight across steps
+    """With loads reported 3 steps late (`debug.load_delay_steps`, so a CPU engine has loads in flight across steps
     as a GPU engine does), a request is aborted while vLLM still waits for its load."""
-    doomed = _abort_then_reload(model_dir, baseline, abort_after=2, debug_load_delay_steps=3)
+    doomed = _abort_then_reload(model_dir, baseline, abort_after=2, debug={"load_delay_steps": 3})
     # Aborted while waiting for its load: no token of it was ever scheduled.
     assert "doomed" not in doomed["outputs"] and not any(doomed["step_tokens"][:2]), doomed["step_tokens"]
 
@@ -379,11 +379,11 @@ def pinned_baseline(model_dir: str) -> dict:
 
 
 def test_verify_loads_turns_a_corrupted_load_into_a_recompute(model_dir: str, pinned_baseline: dict) -> None:
-    """`debug_corrupt_load` negates the first block of every load after it lands (without `verify_loads` the output
+    """`debug.corrupt_load` negates the first block of every load after it lands (without `verify_loads` the output
     changes: test_debug_corrupt_load_key_changes_the_output); with `verify_loads` the worker's checksum of the
     loaded blocks differs from the one taken at the store, the load is reported failed, vLLM recomputes the prefix
     and the output is the reference. vLLM still counts the granted tokens as external hits; we do not."""
-    kv = _recompute(connector_config(cpu_bytes="256Mi", debug_corrupt_load=True, verify_loads=True))
+    kv = _recompute(connector_config(cpu_bytes="256Mi", debug={"corrupt_load": True}, verify_loads=True))
     res = run_engine(_reload_only(model_dir, kv), timeout=420, env=PINNED)
     got, ref = _out(res, "reload"), _out(pinned_baseline, "reload")
     assert got["external_tokens"] == PREFIX, got  # the load was admitted...
@@ -419,10 +419,10 @@ def test_verify_loads_passes_clean_loads_and_counts_loaded_tokens(model_dir: str
 
 
 def test_a_load_past_its_deadline_is_recomputed(model_dir: str, pinned_baseline: dict) -> None:
-    """`load_timeout_s` in a real engine: the copy of the load is held 4 s (`debug_copy_delay_s`: not issued, so not
+    """`load_timeout_s` in a real engine: the copy of the load is held 4 s (`debug.copy_delay_s`: not issued, so not
     landed), the deadline is 0.5 s. The worker reports the load failed while its copy is still pending, vLLM
     recomputes, the late copy lands before the next forward pass, and nothing leaks."""
-    kv = _recompute(connector_config(cpu_bytes="256Mi", load_timeout_s=0.5, debug_copy_delay_s=4.0))
+    kv = _recompute(connector_config(cpu_bytes="256Mi", load_timeout_s=0.5, debug={"copy_delay_s": 4.0}))
     # Steps that schedule nothing while the load is pending are expected here: no stall verdict for them.
     res = run_engine(_reload_only(model_dir, kv, {"stall_steps": 10**9, "max_steps": 10**9}), timeout=420,
                      env=PINNED)

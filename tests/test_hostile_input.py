@@ -200,8 +200,8 @@ CASES: list[tuple[str, Any, str]] = [
      _sub("replay", "--offload-config", '{"spare_windows": "yes"}'), "spare_windows"),
     ("replay --offload-config max_deferral_steps 1e300",
      _sub("replay", "--offload-config", '{"max_deferral_steps": 1e300}'), "at most"),
-    ("replay --offload-config debug_corrupt_load",
-     _sub("replay", "--offload-config", '{"debug_corrupt_load": true}'), "test-only"),
+    ("replay --offload-config debug.corrupt_load",
+     _sub("replay", "--offload-config", '{"debug": {"corrupt_load": true}}'), "test-only"),
     # ---- replay: the tiers' keys (checked at the edge, before vLLM)
     ("replay --offload-config disk_path with a NUL byte",
      _sub("replay", "--offload-config", '{"disk_path": "/tmp/a\\u0000b", "disk_bytes": "1Gi"}'), "NUL byte"),

@@ -3,7 +3,7 @@ tiny hybrid Gemma 4 served with TP=2, with PP=2 and with TP=2 x PP=2 (each rank 
 tier; see tests/test_parallel_engine.py for the set-up; rank 1 is TP rank 1, or the second pipeline stage, or TP
 rank 1 of the first stage under TP2 x PP2).
 
-Per layout, one engine with the connector, started with `debug_fail_store_ranks: [1]` and `debug_fail_load_ranks: [1]`
+Per layout, one engine with the connector, started with `debug.fail_store_ranks: [1]` and `debug.fail_load_ranks: [1]`
 (rank 1 reports every store / load failed without copying; rank 0 copies normally), runs three phases, and one engine
 without the connector runs the same script for the reference outputs (the engine start-up dominates the cost, so
 the phases share one engine; about 70 s per engine on 2 idle cores for the two-worker layouts, 6 engines; `-k pp2`
@@ -15,7 +15,7 @@ runs only PP=2, `-k tp2xpp2` only the four-worker layout):
 2. (store faults cleared) loads fail on rank 1: the load fails the request on every worker (vLLM's output
    aggregator holds the failure until every worker has reported the load), vLLM recomputes it, and the output is
    the reference (had rank 0's loaded shard been used next to rank 1's unwritten one, it would not be);
-3. (load faults cleared; loads are held 3 steps, `debug_load_delay_steps`, so they are in flight across steps as on
+3. (load faults cleared; loads are held 3 steps, `debug.load_delay_steps`, so they are in flight across steps as on
    a GPU) a request is aborted while its load is in flight, the prefix then loads again, and three requests outgrow
    a 36-block pool so that one is preempted.
 
@@ -98,8 +98,8 @@ def _run(model_dir: str, layout: str, with_connector: bool) -> dict:
         tp, pp = LAYOUTS[layout]
         kv = None
         if with_connector:
-            kv = connector_config(cpu_bytes=256 * 2**20, debug_fail_store_ranks=[1], debug_fail_load_ranks=[1],
-                                  debug_load_delay_steps=3)
+            kv = connector_config(cpu_bytes=256 * 2**20, debug={"fail_store_ranks": [1], "fail_load_ranks": [1],
+                                                                "load_delay_steps": 3})
             kv["kv_load_failure_policy"] = "recompute"
         env = {"VLLM_CPU_OMP_THREADS_BIND": omp_bind_one_core_per_rank(tp * pp), "VLLM_LOGGING_LEVEL": "INFO",
                "VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}  # pinned on both: see tests/engine_helpers.child_env

@@ -137,7 +137,7 @@ def test_failed_load_is_reported_as_finished_and_failed():
 
 def test_debug_corrupt_load_changes_the_loaded_block():
     config, caches, regions = aliased_gemma_like()
-    worker = make_worker(config, caches, 8 * 2 * PAGE, debug_corrupt_load=True)
+    worker = make_worker(config, caches, 8 * 2 * PAGE, debug={"corrupt_load": True})
     worker.start(OffloadMetadata(step=1, stores=(job(1, "a", [(2, 5, 0)]),)))
     worker.transfer_results()
     worker.start(OffloadMetadata(step=2, loads=(job(2, "b", [(2, 9, 0)]),)))
@@ -215,7 +215,7 @@ def test_load_past_its_deadline_is_reported_failed_and_later_work_waits_for_it()
 
 def test_debug_fail_load_reports_failure_without_touching_the_cache():
     config, caches, regions = aliased_gemma_like()
-    worker = make_worker(config, caches, 8 * 2 * PAGE, debug_fail_load=True)
+    worker = make_worker(config, caches, 8 * 2 * PAGE, debug={"fail_load": True})
     before = regions.clone()
     worker.start(OffloadMetadata(step=1, loads=(job(1, "x", [(0, 4, 0)]),)))
     _, recving, failed = worker.transfer_results()
@@ -225,13 +225,13 @@ def test_debug_fail_load_reports_failure_without_touching_the_cache():
 
 @pytest.mark.parametrize("rank", [0, 1])
 def test_debug_fail_ranks_fail_only_the_named_worker(monkeypatch, rank):
-    """debug_fail_store_ranks / debug_fail_load_ranks: the named rank reports its stores / loads failed without
+    """debug.fail_store_ranks / debug.fail_load_ranks: the named rank reports its stores / loads failed without
     copying; another rank copies normally."""
     import offload_connector.worker.side as side
     monkeypatch.setattr(side, "worker_rank", lambda: rank)
     config, caches, regions = aliased_gemma_like()
-    worker = make_worker(config, caches, 8 * 2 * PAGE, debug_fail_store_ranks=[1], debug_fail_load_ranks=[1])
-    assert worker.rank == rank
+    worker = make_worker(config, caches, 8 * 2 * PAGE, debug={"fail_store_ranks": [1], "fail_load_ranks": [1]})
+    assert worker.faults.rank == rank
     worker.start(OffloadMetadata(step=1, stores=(job(1, "a", [(0, 2, 0)]),)))
     assert worker.transfer_results() == (set(), set(), set())
     meta = worker.worker_meta()
@@ -262,7 +262,7 @@ def test_verify_loads_passes_clean_loads_on_every_layout():
 
 def test_verify_loads_fails_a_corrupted_load_and_counts_it():
     config, caches, regions = aliased_gemma_like()
-    worker = make_worker(config, caches, 8 * 2 * PAGE, verify_loads=True, debug_corrupt_load=True)
+    worker = make_worker(config, caches, 8 * 2 * PAGE, verify_loads=True, debug={"corrupt_load": True})
     worker.start(OffloadMetadata(step=1, stores=(job(1, "a", [(2, 5, 0), (2, 6, 1)]),)))
     worker.transfer_results()
     worker.start(OffloadMetadata(step=2, loads=(job(2, "b", [(2, 9, 0), (2, 10, 1)]),)))
@@ -297,12 +297,12 @@ def test_verify_loads_without_a_stored_checksum_fails_the_load():
     assert worker.transfer_results()[1:] == ({"x"}, {"x"})
 
 
-# ------------------------------------------------------------------------------------- debug_copy_delay_s
+# ------------------------------------------------------------------------------------- debug.copy_delay_s
 def test_delayed_copy_lands_late_and_a_deadline_reports_it_failed():
     import time
 
     config, caches, regions = aliased_gemma_like()
-    worker = make_worker(config, caches, 8 * 2 * PAGE, debug_copy_delay_s=1.0)
+    worker = make_worker(config, caches, 8 * 2 * PAGE, debug={"copy_delay_s": 1.0})
     worker.start(OffloadMetadata(step=1, stores=(job(1, "a", [(2, 5, 0)]),)))
     worker.transfer_results()
     regions[:, 9] = 0
@@ -313,7 +313,7 @@ def test_delayed_copy_lands_late_and_a_deadline_reports_it_failed():
     assert worker.transfer_results()[1:] == ({"slow"}, set())  # landed late, no deadline: fine
     assert torch.equal(regions[:, 9], regions[:, 5])
 
-    worker = make_worker(config, caches, 8 * 2 * PAGE, debug_copy_delay_s=1.0, load_timeout_s=0.05)
+    worker = make_worker(config, caches, 8 * 2 * PAGE, debug={"copy_delay_s": 1.0}, load_timeout_s=0.05)
     worker.start(OffloadMetadata(step=1, stores=(job(1, "a", [(2, 5, 0)]),)))
     worker.transfer_results()
     regions[:, 12] = 0

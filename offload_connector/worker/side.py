@@ -11,6 +11,7 @@ frees its blocks.
 
 from __future__ import annotations
 
+import functools
 import time
 from typing import TYPE_CHECKING, Callable, Protocol
 
@@ -21,6 +22,7 @@ from offload_connector.groups import tier_slots
 from offload_connector.log import get_logger
 from offload_connector.metadata import OffloadMetadata, OffloadWorkerMetadata, TransferJob
 from offload_connector.metrics import OffloadStats, OffloadStatsSink, counts_blocks_here
+from offload_connector.worker.faults import install_faults
 from offload_connector.worker.layout import KVLayout, build_layout, host_views
 from offload_connector.worker.second_tier import ReadHandle, WorkerSecondTier
 from offload_connector.worker.transfers import Copier, TransferEngine
@@ -92,7 +94,6 @@ class OffloadWorker:
         self.engine: TransferEngine | None = None
         self.host_tier: HostTierLike | None = None
         self.backend: str | None = None
-        self._device_views: list[torch.Tensor] = []
         self._count_blocks = True
         self._fenced_step = -1
         self._store_owner: dict[int, str] = {}  # pending store job -> request
@@ -102,7 +103,7 @@ class OffloadWorker:
         self._failed_recving: set[str] = set()
         self._stores_done: list[int] = []
         self._stores_failed: list[int] = []
-        self._held_loads: list[tuple[int, str, bool]] = []  # (steps left, request, ok): debug_load_delay_steps
+        self._landed: list[tuple[str, bool]] = []  # loads polled since the last report: (request, ok)
         self.num_slots = 0
         self.disk: WorkerSecondTier | None = None  # worker.disk_io.WorkerDiskTier when the disk tier is on
         # The shared tier also takes the scheduler's epoch (a reset of the namespace), hence its own type.
@@ -118,23 +119,9 @@ class OffloadWorker:
         self._disk_failed: list[int] = []
         self._remote_done: list[int] = []
         self._remote_failed: list[int] = []
-        # Asked of vLLM only when a debug_fail_*_ranks key needs it (a simulated worker has no process groups).
-        self.rank = worker_rank() if (config.debug_fail_load_ranks or config.debug_fail_store_ranks) else 0
-        self._fail_loads = config.debug_fail_load or self.rank in config.debug_fail_load_ranks
-        self._fail_stores = self.rank in config.debug_fail_store_ranks
-        if config.debug_fail_load:
-            logger.warning("offload_connector: debug_fail_load is on: every load is reported failed without copying "
-                           "(fault injection for tests)")
-        for what, on in (("load", self._fail_loads and not config.debug_fail_load), ("store", self._fail_stores)):
-            if on:
-                logger.warning("offload_connector: debug_fail_%s_ranks names this worker (rank %d): every %s is "
-                               "reported failed without copying (fault injection for tests)", what, self.rank, what)
-        if config.debug_corrupt_load:
-            logger.warning("offload_connector: debug_corrupt_load is on: every loaded prefix is deliberately "
-                           "corrupted (fault injection for tests)")
-        if config.debug_copy_delay_s:
-            logger.warning("offload_connector: debug_copy_delay_s is on: the copy of every load is issued %g s late "
-                           "(test aid)", config.debug_copy_delay_s)
+        # The debug section's fault injection and test delays (worker/faults.py): None unless it turns one on, and
+        # then they wrap the transfer engine and the load reports.
+        self.faults = install_faults(config.debug, worker_rank)
 
     # ------------------------------------------------------------------ set-up
     def register_kv_caches(self, kv_caches: dict[str, torch.Tensor]) -> None:
@@ -152,20 +139,18 @@ class OffloadWorker:
         copier = (self._copier_factory or make_copier)(self.config.transfer_backend, views, hosts, layout.segments,
                                                        device=device)
         self.backend = getattr(copier, "name", type(copier).__name__)
-        self.layout, self._device_views = layout, views
+        self.layout = layout
         checksums = None
         if self.config.verify_loads:
             from offload_connector.worker.checksum import BlockChecksummer, SlotChecksums
             checksums = SlotChecksums(BlockChecksummer(views, layout.segments, [p.host_offset for p in layout.pages]),
                                       num_slots)
-        self.engine = TransferEngine(copier, len(layout.group_bytes), layout.group_bytes, device,
-                                     after_load_copy=self._corrupt if self.config.debug_corrupt_load else None,
-                                     load_timeout_s=self.config.load_timeout_s,
-                                     fail_loads=self._fail_loads, fail_stores=self._fail_stores,
-                                     checksums=checksums,
-                                     copy_delay_s=self.config.debug_copy_delay_s,
-                                     ordered_loads=self.config.load_completion == "ordered",
-                                     clock=self._clock)
+        engine: Callable[..., TransferEngine] = TransferEngine
+        if self.faults is not None:
+            engine = functools.partial(self.faults.transfer_engine, segments=layout.segments, views=views)
+        self.engine = engine(copier, len(layout.group_bytes), layout.group_bytes, device,
+                             load_timeout_s=self.config.load_timeout_s, checksums=checksums,
+                             ordered_loads=self.config.load_completion == "ordered", clock=self._clock)
         self._count_blocks = counts_blocks_here()
         logger.info("offload_connector worker side: host tier %d bytes (cpu_bytes %d) = %d slots x %d bytes (%s, "
                     "%s), shared by %d KV cache groups (%s); %d unique KV pages in all; backend %s "
@@ -269,7 +254,7 @@ class OffloadWorker:
             if result.early:
                 self.stats.record_load_reported_early()
             if result.kind == "load":
-                self._held_loads.append((self.config.debug_load_delay_steps, job.request_id, result.ok))
+                self._landed.append((job.request_id, result.ok))
                 continue
             (self._stores_done if result.ok else self._stores_failed).append(job.job_id)
             rid = self._store_owner.pop(job.job_id, job.request_id)
@@ -334,15 +319,13 @@ class OffloadWorker:
     def transfer_results(self) -> tuple[set[str], set[str], set[str]]:
         """(finished_sending, finished_recving, failed_recving) since the last call."""
         self._collect()
-        still_held = []
-        for left, rid, ok in self._held_loads:
-            if left > 0:
-                still_held.append((left - 1, rid, ok))
-                continue
+        landed, self._landed = self._landed, []
+        if self.faults is not None:
+            landed = self.faults.report_loads(landed)  # debug.load_delay_steps holds them
+        for rid, ok in landed:
             self._finished_recving.add(rid)
             if not ok:
                 self._failed_recving.add(rid)
-        self._held_loads = still_held
         sending = {rid for rid in self._delayed if rid not in self._stores_of}
         self._delayed -= sending
         recving, self._finished_recving = self._finished_recving, set()
@@ -378,14 +361,3 @@ class OffloadWorker:
         close = getattr(self.host_tier, "close", None)
         if close is not None:
             close()
-
-    # ----------------------------------------------------------- fault injection
-    def _corrupt(self, job: TransferJob) -> None:
-        # Runs right after the load's copy, in its stream (TransferEngine's after_load_copy), so verify_loads sees it.
-        assert self.layout is not None
-        # Flip the top bit of every other byte: for 16-bit KV (bf16/fp16, little-endian) that negates each value,
-        # so the block stays finite and plausible instead of turning into NaNs a model might just propagate.
-        group, block = job.groups[0], job.gpu_blocks[0]  # the first block of the first group it loads
-        for page in self.layout.segments[group]:
-            row = self._device_views[page][block]
-            row[1::2] ^= 0x80

@@ -10,7 +10,8 @@ the scheduler fences stores whose source blocks the next forward pass reuses (`w
 A load that has not landed by its deadline is reported failed, so vLLM recomputes (or fails) the request instead
 of waiting forever. Its copy cannot be cancelled, though, and still writes into blocks vLLM will hand out again: until
 it lands it stays a "zombie", and every later copy and forward pass is ordered after it (on the GPU by stream order;
-a copy not issued yet, which only `debug_copy_delay_s` makes on the CPU backend, is waited for on the host).
+a copy not issued yet, which only the debug section's `copy_delay_s` makes (worker/faults.py), is waited for on
+the host).
 
 With `ordered_loads` (load_completion "ordered"), a load is reported finished before its bytes land once its copy
 is issued and should land within a step (`landing.LandingEstimate`). Until they land it stays "ordered"
@@ -64,39 +65,28 @@ class Copier(Protocol):
              ) -> CopyHandle: ...
 
 
-class _Issued:
-    """One job's copy and what follows it in stream order (fault injection, checksums), with a completion handle's
-    interface (`query`, `wait`, `order_before`).
+# Issues one job's copy and what follows it in stream order: the copy's handle, and its checksums if any.
+Issue = Callable[[], tuple[CopyHandle, "PendingSums | None"]]
 
-    Issued at once, or `delay_s` later (`debug_copy_delay_s`): until then nothing has been copied and `query()` is
-    false, so the deadline check sees a load that genuinely has not landed; the copy is issued by the first `query`
-    after the delay, or by `wait`/`order_before`, which sleep out the rest of it (a copy not issued yet cannot be
-    ordered on a stream, so it is waited for on the host).
-    """
 
-    def __init__(self, issue: Callable[[], tuple[CopyHandle, PendingSums | None]], delay_s: float = 0.0) -> None:
-        self._issue = issue
-        self._at = time.perf_counter() + delay_s
+class IssuedCopy:
+    """One job's copy and what follows it in stream order (checksums), with a completion handle's interface
+    (`query`, `wait`, `order_before`). Issued when constructed (`_issue`); worker/faults.py issues some later."""
+
+    def __init__(self, issue: Issue) -> None:
         self.completion: CopyHandle | None = None
         self.sums: PendingSums | None = None
         self.error: str | None = None
         # CUDA timing events recorded around the copy on its stream, once issued (loads under ordered_loads): its
         # own duration on the device.
         self.timing: list[tuple[torch.cuda.Event, torch.cuda.Event]] = []
-        if delay_s <= 0:
-            self._start()
+        self._issue(issue)
 
-    def _start(self) -> None:
-        if self.issued:
-            return
+    def _issue(self, issue: Issue) -> None:
         try:
-            self.completion, self.sums = self._issue()
+            self.completion, self.sums = issue()
         except Exception as exc:  # a copy that raised has landed, as a failure
             self.error = str(exc) or type(exc).__name__
-
-    @property
-    def issued(self) -> bool:
-        return self.completion is not None or self.error is not None
 
     @property
     def failure(self) -> str | None:
@@ -107,18 +97,11 @@ class _Issued:
         return getattr(self.completion, "error", None)
 
     def query(self) -> bool:
-        if not self.issued:
-            if time.perf_counter() < self._at:
-                return False
-            self._start()
         if self.error is not None:
             return True
         return bool(self.completion.query()) and (self.sums is None or self.sums.query())
 
     def wait(self) -> None:
-        if not self.issued:
-            time.sleep(max(0.0, self._at - time.perf_counter()))
-            self._start()
         if self.error is None:
             self.completion.wait()
             if self.sums is not None:
@@ -128,7 +111,7 @@ class _Issued:
     def started(self) -> bool:
         """Issued, and its copy under way as far as the backend knows (the benchmarks' simulated backend can hold a
         copy back; a real backend's copy is under way once issued)."""
-        return self.issued and self.error is None and bool(getattr(self.completion, "started", True))
+        return self.error is None and bool(getattr(self.completion, "started", True))
 
     def device_seconds(self) -> float | None:
         """Once landed: how long the copy itself took on the device, where that was measured."""
@@ -140,8 +123,6 @@ class _Issued:
         return seconds() if callable(seconds) else None
 
     def order_before(self, stream: torch.cuda.Stream | None) -> None:
-        if not self.issued:
-            self.wait()
         if self.error is None:
             self.completion.order_before(stream)
             if self.sums is not None:
@@ -152,7 +133,7 @@ class _Issued:
 class _InFlight:
     kind: Kind
     job: TransferJob
-    completion: _Issued | None  # None when the job failed before any copy (injected failure)
+    completion: IssuedCopy | None  # None when the job failed before any copy
     started: float
     nbytes: int
     error: str | None = None
@@ -173,18 +154,13 @@ class JobResult:
 
 class TransferEngine:
     def __init__(self, copier: Copier, num_groups: int, group_bytes: Sequence[int], device: torch.device,
-                 after_load_copy: Callable[[TransferJob], None] | None = None, load_timeout_s: float = 0.0,
-                 fail_loads: bool = False, checksums: SlotChecksums | None = None,
-                 copy_delay_s: float = 0.0, fail_stores: bool = False, ordered_loads: bool = False,
+                 load_timeout_s: float = 0.0, checksums: SlotChecksums | None = None, ordered_loads: bool = False,
                  clock: Callable[[], float] | None = None) -> None:
         self._copier = copier
         self._num_groups = num_groups
         self._group_bytes = list(group_bytes)
         self._device = device
-        # Runs in stream order right after each load's copy, before its checksums (debug_corrupt_load).
-        self._after_load_copy = after_load_copy
         self._checksums = checksums
-        self._copy_delay_s = copy_delay_s  # debug_copy_delay_s: loads' copies are issued this much later
         self.verify_failures = 0
         self._jobs: dict[int, _InFlight] = {}
         self._zombies: dict[int, _InFlight] = {}  # timed-out loads whose copies have not landed yet
@@ -197,8 +173,6 @@ class TransferEngine:
         # link in (the benchmarks' simulation passes simulated time).
         self.landing = LandingEstimate(clock or time.perf_counter)
         self._load_timeout_s = load_timeout_s
-        self._fail_loads = fail_loads  # debug_fail_load(_ranks): loads report failed without copying
-        self._fail_stores = fail_stores  # debug_fail_store_ranks: stores likewise
         self.timeouts = 0
         self._readers: dict[int, set[int]] = {}  # GPU block -> unfinished store jobs reading it
         self.load_stream: torch.cuda.Stream | None = None
@@ -230,9 +204,6 @@ class TransferEngine:
 
     def submit_store(self, job: TransferJob) -> None:
         started = time.perf_counter()
-        if self._fail_stores:
-            self._jobs[job.job_id] = _InFlight("store", job, None, started, 0, "injected failure")
-            return
         self._after_unlanded(self.store_stream)
         if self._checksums is not None:
             self._checksums.invalidate(job.host_slots)  # the slots' old contents are being replaced
@@ -248,10 +219,10 @@ class TransferEngine:
                 with self._on(self.store_stream):
                     sums = self._checksums.measure(job.groups, job.gpu_blocks, self.store_stream)
             return completion, sums
-        issued = _Issued(issue)
+        issued = self._issued_copy("store", issue)
         if issued.error is not None:  # a failed store only loses cache entries; report it, keep serving
             logger.warning("offload_connector: store job %d failed: %s", job.job_id, issued.error)
-            self._jobs[job.job_id] = _InFlight("store", job, None, started, 0, issued.error)
+            self.submit_failed_store(job, issued.error, started)
             return
         self._jobs[job.job_id] = _InFlight("store", job, issued, started, self._nbytes(job))
         for bid in job.gpu_blocks:
@@ -262,8 +233,8 @@ class TransferEngine:
         # request) must keep their old bytes until that store has them.
         self.wait_for_jobs({j for bid in job.gpu_blocks for j in self._readers.get(bid, ())})
         started = time.perf_counter()
-        if self._fail_loads or job.fail_reason:
-            self.submit_failed_load(job, job.fail_reason or "injected failure")
+        if job.fail_reason:
+            self.submit_failed_load(job, job.fail_reason)
             return
         self._after_unlanded(self.load_stream)
         if self.load_stream is not None:
@@ -284,15 +255,12 @@ class TransferEngine:
                 end.record(self.load_stream)
                 timing.append((start, end))
             sums = None
-            if self._after_load_copy is not None or self._checksums is not None:
+            if self._checksums is not None:
                 with self._on(self.load_stream):
-                    if self._after_load_copy is not None:
-                        self._after_load_copy(job)
-                    if self._checksums is not None:
-                        # On the device, after the copy: only the n checksums come back to the host.
-                        sums = self._checksums.measure(job.groups, job.gpu_blocks, self.load_stream)
+                    # On the device, after the copy: only the n checksums come back to the host.
+                    sums = self._checksums.measure(job.groups, job.gpu_blocks, self.load_stream)
             return completion, sums
-        issued = _Issued(issue, self._copy_delay_s)
+        issued = self._issued_copy("load", issue)
         issued.timing = timing
         if issued.error is not None:
             logger.warning("offload_connector: load job %d for %s failed: %s", job.job_id, job.request_id,
@@ -302,11 +270,21 @@ class TransferEngine:
         self._jobs[job.job_id] = _InFlight("load", job, issued, started, self._nbytes(job))
         self.landing.submitted(job.job_id, self._nbytes(job))
 
+    def _issued_copy(self, kind: Kind, issue: Issue) -> IssuedCopy:
+        """A job's copy, issued now (worker/faults.py overrides this to issue loads late)."""
+        return IssuedCopy(issue)
+
     def submit_failed_load(self, job: TransferJob, reason: str) -> None:
-        """A load that failed before any copy (injected, refused by the scheduler, or its disk read-back failed):
-        reported failed by the next poll, like a copy that failed."""
+        """A load that failed before any copy (refused by the scheduler, its disk read-back failed, or injected by
+        worker/faults.py): reported failed by the next poll, like a copy that failed."""
         logger.warning("offload_connector: load job %d for %s failed: %s", job.job_id, job.request_id, reason)
         self._jobs[job.job_id] = _InFlight("load", job, None, time.perf_counter(), 0, reason)
+
+    def submit_failed_store(self, job: TransferJob, reason: str, started: float | None = None) -> None:
+        """A store that failed before any copy (its copy raised, or injected by worker/faults.py): reported failed
+        by the next poll. Only the caller logs it: an injected failure is announced once, not per store."""
+        when = time.perf_counter() if started is None else started
+        self._jobs[job.job_id] = _InFlight("store", job, None, when, 0, reason)
 
     # ---------------------------------------------------------------- complete
     def _after_zombies(self, stream: torch.cuda.Stream | None) -> None:
@@ -343,7 +321,8 @@ class TransferEngine:
 
     def order_compute_after_zombies(self) -> None:
         """Before a forward pass: it may write blocks a timed-out load is still copying into. On the CPU backend
-        only a copy not issued yet (debug_copy_delay_s) can still be pending, and it is waited for here."""
+        only a copy not issued yet (the debug section's copy_delay_s) can still be pending, and it is waited for
+        here."""
         if self._zombies:
             self._after_zombies(torch.cuda.current_stream(self._device) if self._device.type == "cuda" else None)
 

@@ -448,15 +448,19 @@ def _offload_config(text: str) -> dict[str, Any]:
         raise argparse.ArgumentTypeError("must be a JSON object")
     if "cpu_bytes" in extra or "reservation" in extra:
         raise argparse.ArgumentTypeError("cpu_bytes and reservation are set by --cpu-bytes and the column")
-    for key in ("debug_corrupt_load", "debug_fail_load", "debug_fail_load_ranks", "debug_fail_store_ranks"):
-        if key in extra:
+    section = extra.get("debug")
+    section = section if isinstance(section, dict) else {}  # anything else: the connector's checks say what
+    for name in ("corrupt_load", "fail_load", "fail_load_ranks", "fail_store_ranks"):  # flat: the deprecated keys
+        key = f"debug.{name}" if name in section else f"debug_{name}" if f"debug_{name}" in extra else None
+        if key is not None:
             raise argparse.ArgumentTypeError(f"{key!r} is test-only fault injection and makes the replay's load "
                                              f"checks fail; use `offload-connector soak` for injected faults")
     try:
         OffloadConfig.from_extra_config({"cpu_bytes": 1, **extra})
     except ConfigError as err:
         raise argparse.ArgumentTypeError(str(err)) from None
-    for key, value in extra.items():  # the connector's checks have no upper bounds; a replay needs some
+    numbers = [*extra.items(), *((f"debug.{k}", v) for k, v in section.items())]
+    for key, value in numbers:  # the connector's checks have no upper bounds; a replay needs some
         if isinstance(value, (int, float)) and not isinstance(value, bool) and value > OFFLOAD_CONFIG_MAX_NUMBER:
             raise argparse.ArgumentTypeError(f"{key!r} must be at most {OFFLOAD_CONFIG_MAX_NUMBER:,} here "
                                              f"(got {value:g})")
