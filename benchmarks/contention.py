@@ -13,7 +13,7 @@ request holds it fails the run even when no greedy token flips (`DIR/run-007/eng
 `docs/results/contention/` (`--out docs/results/contention --resume`).
 
     bash scripts/contention --runs 20 --burners 3 --out results/contention
-    bash scripts/contention --runs 5 --tests tests/test_shared_engine.py
+    bash scripts/contention --runs 5 --tests tests/engine/test_shared_engine.py
     bash scripts/contention --runs 20 --resume --out results/contention   # add to the runs already in DIR
 
 `--resume` counts the finished runs already in `--out` (their JUnit XML) toward `--runs` and starts after them, so
@@ -42,10 +42,10 @@ ROOT = Path(__file__).resolve().parents[1]
 # The real-engine tests whose assertions compare outputs with a run without the connector (or wait on asynchronous
 # events of those runs): what "never wrong under load" is about.
 DEFAULT_TESTS = (
-    "tests/test_engine.py",
-    "tests/test_disk_engine.py",
-    "tests/test_shared_engine.py",
-    "tests/test_parallel_engine.py",
+    "tests/engine/test_engine.py",
+    "tests/engine/test_disk_engine.py",
+    "tests/engine/test_shared_engine.py",
+    "tests/engine/test_parallel_engine.py",
 )
 BURN_KINDS = ("cpu", "mem", "mixed")
 

@@ -1,4 +1,4 @@
-"""Helpers for the real-engine tests (tests/test_engine.py): our own code, nothing copied from vLLM's test utilities.
+"""Helpers for the real-engine tests (tests/engine/test_engine.py): our own code, nothing copied from vLLM's test utilities.
 
 Two halves:
 

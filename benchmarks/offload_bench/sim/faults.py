@@ -8,7 +8,7 @@ request what the API server's abort and vLLM's pool-pressure preemption do. `ste
 `drained_invariants` (after a run) list what is wrong with the connector's state: leaked GPU blocks, reference counts, host slots, tier pins that no in-flight job explains, and tier
 entries readable although no store filled them with their own tokens. `run_lifecycle` runs one random case
 (`LifecycleCase`: layout, pool, a tiny tier, latencies, arrival mix, abort / preemption / failure rates) with both
-checks; `tests/test_lifecycle_property.py` draws them.
+checks; `tests/sim/test_lifecycle_property.py` draws them.
 """
 
 from __future__ import annotations

@@ -7,7 +7,7 @@ reported its shard; the worker side (`OffloadWorker`) fetches a load's shared-ti
 slots before the GPU copy (`_start_reads`, `land_reads`). Two things are simulated here:
 
 - `SimSharedStore`: a `RemoteStore` (the connector's store interface) whose five raw operations work on a dict
-  shared by every client (`SimPool`), like tests/test_shared_tier.py's DictStore. The pool may be bounded
+  shared by every client (`SimPool`), like tests/unit/test_shared_tier.py's DictStore. The pool may be bounded
   (`capacity_bytes`): it then evicts least-recently-used values as Redis' `allkeys-lru` does, counting a shard value
   as the block of its group it stands for (the bytes `RemoteTiming` moves) and a marker at its framed length. An
   evicted shard under a live marker is what a real store does too: the load's fetch fails, vLLM recomputes, the

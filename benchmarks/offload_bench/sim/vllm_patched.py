@@ -40,7 +40,7 @@ manager's signature (identical in vLLM 0.32.0 and 0.33.0: `request_id, num_token
 total_computed_tokens, num_local_computed_tokens, num_tokens_main_model, apply_admission_cap, prefill_end`), so a
 vLLM that renames one is refused when the patch is applied instead of being miscounted.
 
-How exact it is (tests/test_vllm_patched.py measures it against the blocks a request really takes from the pool):
+How exact it is (tests/sim/test_vllm_patched.py measures it against the blocks a request really takes from the pool):
 equal per group whenever the rest of the prompt fits in the window plus the in-flight tokens (the async-load case
 the stall comes from: the Gemma seed reserves 5 x 66 + 33 = 363 blocks and the request then takes exactly 363).
 With a longer remainder the cap binds and the count is an upper bound (by the cap's one-block alignment slack),
