@@ -337,17 +337,31 @@ def test_gpu_auto_is_directional_and_round_trips():
 
 # --- "auto" selection logic, exercised on CPU with stand-in backends ----------------------------------------------
 
+class _VirtualClock:
+    """Calibration's timer in the stand-in tests: only the stand-ins' delays advance it, so which stand-in is faster
+    does not depend on how busy the machine is (with real sleeps a loaded CI machine picked the slower one)."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def perf_counter(self) -> float:
+        return self.now
+
+
 class _Slow(ReferenceCopier):
     delay = 0.0
+    clock: _VirtualClock | None = None
 
     def _copy(self, direction, ids, stream):
-        import time
-        time.sleep(self.delay)
+        if self.clock is not None:
+            self.clock.now += self.delay
         return super()._copy(direction, ids, stream)
 
 
 def _standins(monkeypatch, delays: dict[str, float], broken: set[str] = frozenset(), unbuildable=frozenset()):
     from offload_connector.kernels import select
+    clock = _VirtualClock()
+    monkeypatch.setattr(select, "time", clock)
 
     def build(name, device_pages, host_pages, segments, device):
         if name in unbuildable:
@@ -358,6 +372,7 @@ def _standins(monkeypatch, delays: dict[str, float], broken: set[str] = frozense
         class Standin(_Slow):
             pass
         Standin.delay = delays.get(name, 0.0)
+        Standin.clock = clock
         Standin.name = name
         c = Standin(device_pages, host_pages, segments)
         if name in broken:
