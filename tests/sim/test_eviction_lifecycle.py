@@ -16,8 +16,8 @@ from offload_bench.sim.faults import LifecycleOutcome, build_case_driver, random
 
 # The built-in policies and two named by module path, as a user would write them: the segmented LRU with another
 # share counting re-offered blocks as reuse, and ARC as originally published (ghost hits into T2) from a half target.
-POLICIES = ["lru", "slru", "arc", "tests.test_eviction_lifecycle:HalfProtected",
-            "tests.test_eviction_lifecycle:OriginalARC"]
+POLICIES = ["lru", "slru", "arc", "tests.sim.test_eviction_lifecycle:HalfProtected",
+            "tests.sim.test_eviction_lifecycle:OriginalARC"]
 
 from offload_connector.scheduler.eviction import ARCPolicy, SegmentedLRUPolicy  # noqa: E402
 
