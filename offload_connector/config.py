@@ -304,16 +304,22 @@ def parse_byte_size(key: str, value: object) -> int:
     return parsed
 
 
+def _whole(value: object) -> int | None:
+    """`value` as an integer when it is one (a whole float such as 3.0 too, as JSON may write it); None otherwise,
+    booleans included."""
+    if isinstance(value, bool):
+        return None
+    if isinstance(value, int):
+        return value
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return None
+
+
 def _positive_int(key: str, value: object, allow_suffix: bool = False) -> int:
     if allow_suffix:
         return parse_byte_size(key, value)
-    parsed: int | None = None
-    if isinstance(value, bool):
-        parsed = None
-    elif isinstance(value, int):
-        parsed = value
-    elif isinstance(value, float) and value.is_integer():
-        parsed = int(value)
+    parsed = _whole(value)
     if parsed is None or parsed <= 0:
         raise ConfigError(f"kv_connector_extra_config: '{key}' must be a positive integer (an integer); got {value!r}")
     return parsed
@@ -543,12 +549,11 @@ def _debug_section(extra: dict[str, object]) -> DebugConfig:
         elif name in ("fail_load_ranks", "fail_store_ranks"):
             values[name] = _ranks(key, value)
         elif name == "load_delay_steps":
-            # As before the section: a whole float (3.0) is accepted as the integer it is.
-            whole = isinstance(value, int) or isinstance(value, float) and value.is_integer()
-            if isinstance(value, bool) or not whole or value < 0:
+            steps = _whole(value)
+            if steps is None or steps < 0:
                 raise ConfigError(f"kv_connector_extra_config: '{key}' must be an integer >= 0 (steps; 0 disables "
                                   f"it); got {value!r}")
-            values[name] = int(value)
+            values[name] = steps
         else:
             values[name] = _non_negative_float(key, value)
     return DebugConfig(**values)
