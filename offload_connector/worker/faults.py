@@ -31,7 +31,7 @@ import torch
 
 from offload_connector.config import DebugConfig
 from offload_connector.log import get_logger
-from offload_connector.metadata import TransferJob
+from offload_connector.transfer_jobs import TransferJob
 from offload_connector.worker.transfers import Copier, CopyHandle, Issue, IssuedCopy, Kind, TransferEngine
 
 if TYPE_CHECKING:

@@ -35,7 +35,7 @@ import numpy as np
 import torch
 
 from offload_connector.log import get_logger
-from offload_connector.metadata import TransferJob
+from offload_connector.transfer_jobs import TransferJob
 from offload_connector.worker.checksum import PendingSums, SlotChecksums
 from offload_connector.worker.landing import LandingEstimate
 

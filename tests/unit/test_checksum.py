@@ -133,7 +133,7 @@ def test_a_job_mixing_groups_gets_its_sums_in_job_order():
 def test_cuda_transfer_engine_verifies_loads_in_stream_order():
     """Stores and loads on their CUDA streams with verify_loads: clean loads pass, a flipped host byte fails."""
     from offload_connector.kernels import ReferenceCopier, allocate_host_tier
-    from offload_connector.metadata import TransferJob
+    from offload_connector.transfer_jobs import TransferJob
     from offload_connector.worker.transfers import TransferEngine
 
     page = 4096

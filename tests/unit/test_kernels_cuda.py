@@ -164,6 +164,23 @@ def test_import_needs_no_gpu_cupy_or_driver():
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
 
 
+def test_gpu_check_modules_import_without_vllm(tmp_path):
+    """scripts/gpu-check runs on a GPU machine that has torch and CUDA but no vLLM: the kernels, the transfer engine,
+    its jobs and the checksums must import there (the first H200 run failed one test on `import vllm` in metadata)."""
+    blocker = tmp_path / "vllm"
+    blocker.mkdir()
+    (blocker / "__init__.py").write_text("raise ImportError('no vllm on the GPU machine')\n")
+    code = ("import sys; from offload_connector.kernels import make_copier, allocate_host_tier; "
+            "from offload_connector.transfer_jobs import TransferJob; "
+            "from offload_connector.worker.transfers import TransferEngine; "
+            "from offload_connector.worker.checksum import SlotChecksums; "
+            "TransferJob(1, 'a', ((3, 4),), ((0, 1),)); assert 'vllm' not in sys.modules; print('ok')")
+    root = Path(__file__).resolve().parents[2]
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root,
+                         env={"PYTHONPATH": f"{tmp_path}:{root}", "CUDA_VISIBLE_DEVICES": "", "PATH": "/usr/bin:/bin"})
+    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+
+
 def _cpu_layout():
     dev = [torch.zeros((4, 32), dtype=torch.uint8)]
     host = [torch.zeros((4, 32), dtype=torch.uint8)]
