@@ -27,6 +27,8 @@ logger = get_logger("offload_connector.kernels")
 BACKENDS: tuple[str, ...] = BACKEND_CHOICES
 ENV_FORCE = "OFFLOAD_CONNECTOR_COPY_BACKEND"
 TIE_MARGIN = 0.05
+MIN_CALIBRATION_BLOCKS = 8
+UNCALIBRATED = "batch"  # the backend when no calibration scratch fits on the device
 
 
 @dataclass(frozen=True)
@@ -167,9 +169,21 @@ def calibrate(device_pages: Sequence[torch.Tensor], segments: Sequence[Sequence[
     from .host_tier import allocate_host_tier
 
     pages, blocks = _scratch_layout(device_pages, segments, cfg)
+    # vLLM sizes the KV cache to the memory limit before the connector registers it: the scratch pages may not fit.
+    # Fewer blocks time the same backends less precisely; with none fitting, DMA, which needs no device scratch.
+    while True:
+        try:
+            dev = [torch.randint(0, 256, (2 * blocks, p), dtype=torch.uint8, device=device) for p in pages]
+            break
+        except torch.OutOfMemoryError:
+            dev = []
+            if blocks <= MIN_CALIBRATION_BLOCKS:
+                logger.warning("offload_connector: no device memory for the copy backend calibration (%d bytes); "
+                               "using %r without calibrating", 2 * blocks * sum(pages), UNCALIBRATED)
+                return {d: UNCALIBRATED for d in DIRECTIONS}
+            blocks //= 2
     tiers = [allocate_host_tier(2 * blocks, p, pin=True) for p in pages]
     host = [t.tensor for t in tiers]
-    dev = [torch.randint(0, 256, (2 * blocks, p), dtype=torch.uint8, device=device) for p in pages]
     for h in host:
         h.copy_(torch.randint(0, 256, tuple(h.shape), dtype=torch.uint8))
     segs = [list(range(len(pages)))]

@@ -142,6 +142,13 @@ class AdmissionControl:
     def match(self, request: Request, state: ReqState, num_computed_tokens: int, step: int) -> tuple[int | None, bool]:
         """vLLM's `get_num_new_matched_tokens` for a request with no load in flight."""
         capped_since, state.admitted_step = state.admitted_step, None
+        if state.requeue:
+            # Its load failed. vLLM freed its blocks but left it in `kv_holding_waiting`, which is drained first and
+            # breaks at the first request it cannot allocate: there, a recompute refused by the full-sequence gate
+            # (`scheduler_reserve_full_isl`) holds back every load that landed behind it, whose blocks are what it
+            # waits for (a stall). Skipped once, it is re-queued by whether it holds blocks: into `waiting`.
+            state.requeue = False
+            return None, False
         if state.no_load:  # recomputing its prefix; still behind any older deferred load
             held = self._held_for_older(request, num_computed_tokens, num_computed_tokens, step)
             return (None, False) if held else (0, False)

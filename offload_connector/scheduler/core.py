@@ -285,6 +285,7 @@ class OffloadScheduler:
             # tier still serves the prefix when another load of it held the entries pinned). A recomputed
             # prefill is not gated that way and clears the stale entry when it is scheduled.
             state.no_load = True
+            state.requeue = True
             # The admission moved store planning to the hit (window_scanned; nothing is planned while the load is in
             # flight), past the prefix whose entries the failure just dropped: the recompute stores it again from the
             # start, with a window at the hit as the stored one had (entries still in the tier are skipped).

@@ -84,6 +84,9 @@ class ReqState:
     spare_next: dict[int, int] = field(default_factory=dict)
     deferred_since: int | None = None
     no_load: bool = False  # gave up loading (aged deferral); recompute instead
+    # Its load failed: skip its next lookup once (see `Admission.match`), so that vLLM moves it out of the queue of
+    # requests holding blocks, where it no longer belongs and can block every landed load behind it.
+    requeue: bool = False
     pending_stores: set[int] = field(default_factory=set)
     finished: bool = False
     offered_hit: int = 0  # the hit (local + external) last offered to vLLM

@@ -80,3 +80,24 @@ def test_lifecycle_property_over_policies(eviction, drawn):
     policy, case = drawn
     eviction(policy)
     run_lifecycle(case)
+
+
+# Found by the property test above (2026-12-03). q0's load fails; vLLM frees its blocks but leaves it at the head of
+# `kv_holding_waiting`; its recompute (547 tokens, 56 blocks under the full-sequence gate) does not fit the 55 free
+# blocks, so the waiting loop breaks there every step, and q2, whose load landed behind it holding the 10 blocks q0
+# waits for, is never promoted: 0 tokens scheduled from step 51 on, in vLLM 0.32, 0.33 and 0.34 alike.
+STALL_AFTER_FAILED_LOAD = dict(
+    layout="full+sliding", pool_factor=1.0970060946059872, prefix_caching=False, cpu_slots=60,
+    max_num_batched_tokens=128, batch_depth=1, load_latency=1, store_latency=12,
+    requests=((1, 465, 71, 71), (1, 133, 76, 64), (1, 104, 49, 92), (0, 12, 99, 3), (2, 105, 112, 200),
+              (1, 355, 103, 83)),
+    arrival_gaps=(0, 8, 0, 8, 8, 1), p_abort=0.0, p_preempt=0.08, p_reset=0.0, p_store_fail=0.4, p_load_fail=0.2,
+    seed=114630)
+
+
+def test_a_failed_load_at_the_head_does_not_hold_back_loads_that_landed(eviction):
+    from offload_bench.sim.faults import LifecycleCase
+
+    eviction("lru")
+    out = run_lifecycle(LifecycleCase(**STALL_AFTER_FAILED_LOAD), max_steps=1500)
+    assert out.finished == 6 and out.loads_failed >= 2 and out.loads >= 3

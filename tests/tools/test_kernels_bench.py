@@ -99,6 +99,30 @@ def test_cpu_copy_bench_runs_and_verifies(tmp_path):
     assert {r["isa"] for r in json.loads(out.read_text())} == {"memcpy"}
 
 
+def test_overlap_bench_cpu_smoke_verifies_and_catches_a_wrong_copy(tmp_path, monkeypatch):
+    ob = _load("overlap_bench")
+    assert ob.main(["--out", str(tmp_path / "ok"), "--cpu-smoke", "--copies", "2"]) == 0
+    res = json.loads((tmp_path / "ok" / "results.json").read_text())
+    assert [(r["backend"], r["direction"], r["compute"]) for r in res["rows"]] == [
+        ("reference", d, c) for d in ("h2d", "d2h") for c in ("matmul", "stream")]
+    assert all(r["verified"] and r["copy_gbps_alone"] > 0 and r["compute_calls"] >= 1 for r in res["rows"])
+    assert "| reference | h2d | matmul |" in (tmp_path / "ok" / "results.md").read_text()
+
+    from offload_connector.kernels import Completion
+
+    class CopiesNothing:
+        def copy(self, direction, ids, stream=None):
+            return Completion()
+
+        def close(self):
+            pass
+
+    monkeypatch.setattr(ob, "make_copier", lambda *a, **k: CopiesNothing())
+    assert ob.main(["--out", str(tmp_path / "bad"), "--cpu-smoke", "--copies", "1"]) == 1
+    res = json.loads((tmp_path / "bad" / "results.json").read_text())
+    assert not any(r["verified"] for r in res["rows"])
+
+
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the no-GPU refusal")
 def test_gpu_check_refuses_cleanly_without_a_gpu(tmp_path):
     proc = subprocess.run(["bash", str(ROOT / "scripts" / "gpu-check"), str(tmp_path / "out")], capture_output=True,

@@ -352,6 +352,33 @@ def test_gpu_auto_is_directional_and_round_trips():
         tier.close()
 
 
+@gpu
+@needs_gpu
+def test_gpu_auto_comes_up_on_a_nearly_full_device():
+    """As under vLLM, which sizes the KV cache to the memory limit first: with 48 MiB left on the device the default
+    calibration's scratch (2 x 256 of these 1 MiB blocks) shrinks or is skipped, and the copier it returns still
+    copies exactly."""
+    dev, host, segs, tiers = _gpu_layout(43, pages=(256 << 10,), tensors=(4,))
+    torch.cuda.synchronize()
+    free, _total = torch.cuda.mem_get_info()
+    hog = torch.empty(max(free - (48 << 20), 0), dtype=torch.uint8, device=dev[0].device)
+    try:
+        copier = make_copier("auto", dev, host, segs, device=dev[0].device)
+        original = [d.clone() for d in dev]
+        ids = [(np.arange(5), np.arange(5) + 3)] * 3
+        copier.copy("d2h", ids).wait()
+        for d in dev:
+            d.zero_()
+        copier.copy("h2d", ids).wait()
+        assert all(torch.equal(d[3:8], o[3:8]) for d, o in zip(dev, original))
+        copier.close()
+    finally:
+        del hog
+        torch.cuda.empty_cache()
+        for tier in tiers:
+            tier.close()
+
+
 # --- "auto" selection logic, exercised on CPU with stand-in backends ----------------------------------------------
 
 class _VirtualClock:
@@ -411,6 +438,34 @@ def test_calibration_picks_fastest_and_drops_wrong_backends(monkeypatch, caplog)
     assert any("'kernel' failed during calibration" in r.message for r in caplog.records)
     select = _standins(monkeypatch, {"kernel": 0.0, "batch": 0.03, "per_page": 0.06})
     assert select.calibrate(dev, segs, torch.device("cpu"), cfg) == {"h2d": "kernel", "d2h": "kernel"}
+
+
+def test_calibration_shrinks_its_scratch_when_the_device_is_full(monkeypatch, caplog):
+    """vLLM sizes the KV cache to the memory limit before the worker calibrates: scratch pages that do not fit are
+    halved until they do, and with no room at all the calibration is skipped for DMA, never an error at start-up."""
+    select = _standins(monkeypatch, {"kernel": 0.0, "batch": 0.03, "per_page": 0.06})
+    dev, host, segs = _cpu_layout()
+    cfg = select.CalibrationConfig(max_bytes=1 << 16, max_blocks=64, repeats=1)
+    real_randint, rows = torch.randint, []
+
+    def randint_within(limit):
+        def randint(low, high, size, **kw):
+            if kw.get("device") is not None:  # the device scratch, not the host fill
+                rows.append(size[0])
+                if size[0] > limit:
+                    raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+            return real_randint(low, high, size, **kw)
+        return randint
+
+    monkeypatch.setattr(torch, "randint", randint_within(32))
+    assert select.calibrate(dev, segs, torch.device("cpu"), cfg) == {"h2d": "kernel", "d2h": "kernel"}
+    assert rows == [128, 64, 32]  # 2 x 64 blocks, halved twice
+    rows.clear()
+    monkeypatch.setattr(torch, "randint", randint_within(0))
+    with caplog.at_level(logging.WARNING, logger="vllm.offload_connector.kernels"):
+        choice = select.calibrate(dev, segs, torch.device("cpu"), cfg)
+    assert choice == {"h2d": select.UNCALIBRATED, "d2h": select.UNCALIBRATED}
+    assert rows == [128, 64, 32, 16] and any("no device memory" in r.message for r in caplog.records)
 
 
 def test_auto_on_cuda_falls_back_when_the_choice_cannot_build(monkeypatch, caplog):
