@@ -17,16 +17,14 @@ import json
 import os
 import platform
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from offload_connector.kernels import ReferenceCopier, allocate_host_tier  # noqa: E402
-from offload_connector.kernels.host_copy import ISAS, HostCopier  # noqa: E402
+from offload_connector.kernels import ReferenceCopier, allocate_host_tier
+from offload_connector.kernels.host_copy import ISAS, HostCopier
 
 
 def _timed(fn) -> float:

@@ -37,13 +37,11 @@ import threading
 import time
 import zlib
 from collections import deque
-from pathlib import Path
 
 import numpy as np
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from offload_connector.disk.format import ALIGN, HEADER_BYTES, align_up, DiskFingerprint, slot_stride  # noqa: E402
-from offload_connector.disk.store import DiskStore  # noqa: E402
+from offload_connector.disk.format import ALIGN, HEADER_BYTES, align_up, DiskFingerprint, slot_stride
+from offload_connector.disk.store import DiskStore
 
 GEMMA4_31B_SLOT = 2621440  # 2.5 MiB: the CPU tier's slot for Gemma-4-31B
 

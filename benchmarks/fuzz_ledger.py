@@ -15,17 +15,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import random
 import sys
 import time
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from offload_bench.platform import use_cpu_platform  # noqa: E402
+from offload_bench.platform import use_cpu_platform
 
 use_cpu_platform()  # before vLLM is imported
-from offload_bench.sim.fuzz import random_case, run_case  # noqa: E402
+from offload_bench.sim.fuzz import random_case, run_case
 
 
 def main() -> int:

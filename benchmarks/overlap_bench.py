@@ -26,9 +26,8 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from offload_connector.kernels import allocate_host_tier, make_copier  # noqa: E402
-from offload_connector.kernels.select import calibrate  # noqa: E402
+from offload_connector.kernels import allocate_host_tier, make_copier
+from offload_connector.kernels.select import calibrate
 
 KIB = 1024
 

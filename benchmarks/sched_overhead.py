@@ -46,11 +46,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-REPO = Path(__file__).resolve().parents[1]
-if str(REPO) not in sys.path:
-    sys.path.insert(0, str(REPO))
-
-from offload_bench.platform import use_cpu_platform  # noqa: E402
+from offload_bench.platform import use_cpu_platform
 
 use_cpu_platform()  # before vLLM is imported
 

@@ -35,8 +35,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from offload_connector.kernels import allocate_host_tier, make_copier  # noqa: E402
+from offload_connector.kernels import allocate_host_tier, make_copier
 
 KIB, MIB, GIB = 1 << 10, 1 << 20, 1 << 30
 GPU_METHODS = ("kernel", "batch", "batch_any", "per_page")

@@ -17,18 +17,16 @@ import json
 import os
 import platform
 import statistics
-import sys
 import time
 from pathlib import Path
 
 import numpy as np
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
-from offload_connector.kernels import allocate_host_tier, make_copier  # noqa: E402
-from offload_connector.metadata import TransferJob  # noqa: E402
-from offload_connector.worker.checksum import BlockChecksummer, SlotChecksums  # noqa: E402
-from offload_connector.worker.transfers import TransferEngine  # noqa: E402
+from offload_connector.kernels import allocate_host_tier, make_copier
+from offload_connector.metadata import TransferJob
+from offload_connector.worker.checksum import BlockChecksummer, SlotChecksums
+from offload_connector.worker.transfers import TransferEngine
 
 
 def _run_job(engine: TransferEngine, kind: str, job: TransferJob) -> tuple[float, bool]:
