@@ -4,12 +4,14 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from offload_connector.keys import BlockKey
-from offload_connector.transfer_jobs import TierWrite, TransferJob  # noqa: F401 (re-exported: the messages' home)
+from offload_connector.transfer_jobs import TierRead, TierStep, TierWrite, TransferJob  # noqa: F401 (re-exported)
 from vllm.distributed.kv_transfer.kv_connector.v1.base import (
     KVConnectorMetadata,
     KVConnectorWorkerMetadata,
 )
+
+
+_NOTHING = TierStep()
 
 
 @dataclass(frozen=True)
@@ -27,16 +29,15 @@ class OffloadMetadata(KVConnectorMetadata):
     # Load jobs reported finished since the last step (load_completion "ordered": possibly before their copies
     # landed): this step's forward may read their blocks, so it and every later one must run after the copies.
     load_fences: tuple[int, ...] = ()
-    # The disk tier, applied in this order before this step's loads: forget everything (a cache reset), forget these
-    # keys (evicted or failed; the scheduler decides, so every worker's tier holds the same keys), write these.
-    disk_clear: bool = False
-    disk_drops: tuple[BlockKey, ...] = ()
-    disk_writes: tuple[TierWrite, ...] = ()
-    # The shared tier: write these blocks' shards (every worker its own) to the shared store.
-    remote_writes: tuple[TierWrite, ...] = ()
-    remote_epoch: int = 0  # counts cache resets: the shared tier's keys live in a namespace per epoch
+    # Each second tier's operations for this step, by tier name (`transfer_jobs.DISK`, `SHARED`): every tier the
+    # scheduler runs is present each step (its epoch with it), an absent one has nothing to do.
+    tier_steps: dict[str, TierStep] = field(default_factory=dict)
     # CPU-tier slots the scheduler hands out (ids 0..tier_slots-1): each worker checks its tier has as many.
     tier_slots: int = 0
+
+    def tier_step(self, tier: str) -> TierStep:
+        """`tier`'s operations this step (none when it is absent)."""
+        return self.tier_steps.get(tier, _NOTHING)
 
 
 @dataclass
@@ -44,10 +45,9 @@ class OffloadWorkerMetadata(KVConnectorWorkerMetadata):
     """Worker -> scheduler: store jobs that finished (or failed) since the last step."""
     stores_done: list[int] = field(default_factory=list)
     stores_failed: list[int] = field(default_factory=list)
-    disk_writes_done: list[int] = field(default_factory=list)
-    disk_writes_failed: list[int] = field(default_factory=list)
-    remote_writes_done: list[int] = field(default_factory=list)
-    remote_writes_failed: list[int] = field(default_factory=list)
+    # Second-tier write jobs that finished or failed since the last step, by tier name.
+    writes_done: dict[str, list[int]] = field(default_factory=dict)
+    writes_failed: dict[str, list[int]] = field(default_factory=dict)
     # Load jobs whose disk or shared-tier reads outlived load_timeout_s: reported failed while a read may still write
     # their CPU-tier slots (abandoned), and later every read of them returned (settled): the slots are free again.
     reads_abandoned: list[int] = field(default_factory=list)
@@ -58,9 +58,11 @@ class OffloadWorkerMetadata(KVConnectorWorkerMetadata):
         # per job (see StorePlanner), so aggregation just concatenates.
         assert isinstance(other, OffloadWorkerMetadata)
         return OffloadWorkerMetadata(self.stores_done + other.stores_done, self.stores_failed + other.stores_failed,
-                                     self.disk_writes_done + other.disk_writes_done,
-                                     self.disk_writes_failed + other.disk_writes_failed,
-                                     self.remote_writes_done + other.remote_writes_done,
-                                     self.remote_writes_failed + other.remote_writes_failed,
+                                     _merged(self.writes_done, other.writes_done),
+                                     _merged(self.writes_failed, other.writes_failed),
                                      self.reads_abandoned + other.reads_abandoned,
                                      self.reads_settled + other.reads_settled)
+
+
+def _merged(a: dict[str, list[int]], b: dict[str, list[int]]) -> dict[str, list[int]]:
+    return {t: a.get(t, []) + b.get(t, []) for t in {*a, *b}}

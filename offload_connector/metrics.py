@@ -126,6 +126,12 @@ REMOTE_READ_BACK, REMOTE_WRITTEN, REMOTE_WRITE_SKIPS = "shared_tier_read_back_bl
     "shared_tier_written_blocks", "shared_tier_write_skips"
 REMOTE_WRITTEN_BYTES, REMOTE_READ_BYTES, REMOTE_FAILURES = "shared_tier_written_bytes", "shared_tier_read_bytes", \
     "shared_tier_failures"
+# Each second tier's I/O counters (written bytes, read bytes, failed operations), by its name in the step messages
+# (`transfer_jobs.DISK`, `SHARED`; spelled out: this module imports nothing of the connector).
+_TIER_IO: dict[str, tuple[str, str, str]] = {
+    "disk": (DISK_WRITTEN_BYTES, DISK_READ_BYTES, DISK_IO_FAILURES),
+    "shared": (REMOTE_WRITTEN_BYTES, REMOTE_READ_BYTES, REMOTE_FAILURES),
+}
 _GAUGE_KEYS = (TIER_USED, TIER_CAPACITY, DEFERRED_REQUESTS, STALLED, DISK_USED, DISK_CAPACITY, EVICTION_BIAS)
 _DISK_COUNTERS = (DISK_EVICTIONS, DISK_READ_BACK, DISK_WRITE_SKIPS, DISK_WRITTEN_BYTES, DISK_READ_BYTES,
                   DISK_IO_FAILURES, REMOTE_READ_BACK, REMOTE_WRITTEN, REMOTE_WRITE_SKIPS, REMOTE_WRITTEN_BYTES,
@@ -326,12 +332,14 @@ class OffloadStatsSink:
                 self._stats._add(key, now - seen if now >= seen else now)
             self._remote_seen = totals
 
-    def record_remote_io(self, written_bytes: int, read_bytes: int, failures: int) -> None:
-        """Worker side: bytes this worker put to and got from the shared tier since the last call, and failures."""
+    def record_tier_io(self, tier: str, written_bytes: int, read_bytes: int, failures: int) -> None:
+        """Worker side: bytes this worker's second tier `tier` wrote and read since the last call, and its failed
+        operations (disk I/Os, shared-store calls)."""
+        written, read, failed = _TIER_IO[tier]
         with self._lock:
-            self._stats._add(REMOTE_WRITTEN_BYTES, written_bytes)
-            self._stats._add(REMOTE_READ_BYTES, read_bytes)
-            self._stats._add(REMOTE_FAILURES, failures)
+            self._stats._add(written, written_bytes)
+            self._stats._add(read, read_bytes)
+            self._stats._add(failed, failures)
 
     def record_rejections(self, tier: str, source: str, totals: dict[str, int]) -> None:
         """A second tier's cumulative rejections by reason (`tier` "shared": `RemoteStats.rejected`; "disk":
@@ -345,13 +353,6 @@ class OffloadStatsSink:
                 seen = self._rejected_seen.get((tier, source, reason), 0)
                 self._stats._add(prefix + reason, now - seen if now >= seen else now)
                 self._rejected_seen[(tier, source, reason)] = now
-
-    def record_disk_io(self, written_bytes: int, read_bytes: int, failures: int) -> None:
-        """Worker side: bytes this worker's disk tier wrote and read since the last call, and failed I/Os."""
-        with self._lock:
-            self._stats._add(DISK_WRITTEN_BYTES, written_bytes)
-            self._stats._add(DISK_READ_BYTES, read_bytes)
-            self._stats._add(DISK_IO_FAILURES, failures)
 
     def record_load_verify_failure(self) -> None:
         """Worker side: a load job whose blocks did not match their stored checksums (also a load failure)."""

@@ -9,6 +9,35 @@ from typing import Any, Sequence
 from offload_connector.keys import BlockKey
 
 
+# The second tiers' names in the step messages (and in metrics and docs): `TierRead.tier`, the keys of
+# `OffloadMetadata.tier_steps` and of the worker's `writes_done` / `writes_failed`.
+DISK = "disk"
+SHARED = "shared"
+
+
+@dataclass(frozen=True)
+class TierRead:
+    """A load's blocks that one second tier reads back into CPU-tier slots (some of the job's) before the copy."""
+    tier: str
+    keys: tuple[BlockKey, ...]
+    slots: tuple[int, ...]
+
+    def __post_init__(self) -> None:
+        if len(self.keys) != len(self.slots):
+            raise ValueError(f"a {self.tier} read needs one host slot per key")
+
+
+@dataclass(frozen=True)
+class TierStep:
+    """One second tier's operations for one step, applied in this order before the step's loads: forget everything
+    (a cache reset), forget these keys (evicted or failed: the scheduler decides, so every worker's tier holds the
+    same keys), write these. `epoch` counts cache resets for a tier whose keys live in a namespace per reset."""
+    clear: bool = False
+    drops: tuple[BlockKey, ...] = ()
+    writes: tuple[TierWrite, ...] = ()
+    epoch: int = 0
+
+
 @dataclass(frozen=True)
 class TransferJob:
     """Per KV cache group g (one entry per group of the model, empty where the job moves nothing): copy
@@ -20,12 +49,8 @@ class TransferJob:
     request_id: str
     group_gpu_blocks: tuple[tuple[int, ...], ...]
     group_host_slots: tuple[tuple[int, ...], ...]
-    # A load only: disk tier entries to read into these host slots (some of the slots above) before the copy.
-    disk_keys: tuple[BlockKey, ...] = ()
-    disk_slots: tuple[int, ...] = ()
-    # A load only: shared-tier blocks to fetch into these host slots before the copy.
-    remote_keys: tuple[BlockKey, ...] = ()
-    remote_slots: tuple[int, ...] = ()
+    # A load only: blocks the second tiers read into their host slots before the copy, at most one read per tier.
+    reads: tuple[TierRead, ...] = ()
     # A load only: report it failed without copying (the scheduler could not give it every host slot it needed).
     fail_reason: str = ""
 
@@ -33,10 +58,14 @@ class TransferJob:
         if len(self.group_gpu_blocks) != len(self.group_host_slots) or any(
                 len(b) != len(s) for b, s in zip(self.group_gpu_blocks, self.group_host_slots)):
             raise ValueError("a transfer job needs one host slot per GPU block in every group")
-        if len(self.disk_keys) != len(self.disk_slots) or len(self.remote_keys) != len(self.remote_slots):
-            raise ValueError("a transfer job needs one host slot per disk or shared-tier read")
+        if len({r.tier for r in self.reads}) != len(self.reads):
+            raise ValueError("a transfer job holds at most one read per second tier")
 
-    # `extra` is Any: the optional fields above (disk_keys .. fail_reason), each of its own type, for the constructor.
+    def read_of(self, tier: str) -> TierRead | None:
+        """This job's read from `tier`, if any."""
+        return next((r for r in self.reads if r.tier == tier and r.keys), None)
+
+    # `extra` is Any: the optional fields above (reads, fail_reason), each of its own type, for the constructor.
     @classmethod
     def from_columns(cls, job_id: int, request_id: str, num_groups: int, groups: Sequence[int],
                      gpu_blocks: Sequence[int], host_slots: Sequence[int], **extra: Any) -> "TransferJob":

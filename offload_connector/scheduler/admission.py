@@ -12,6 +12,7 @@ from offload_connector.groups import cdiv
 from offload_connector.keys import BlockKey
 from offload_connector.log import get_logger
 from offload_connector.metadata import TransferJob
+from offload_connector.transfer_jobs import DISK, SHARED, TierRead
 from offload_connector.metrics import OffloadStatsSink
 from offload_connector.scheduler import ledger
 from offload_connector.scheduler.disk_tier import DiskTierPlanner
@@ -494,8 +495,8 @@ class AdmissionControl:
                 self.layout.keys(request))
         job = TransferJob.from_columns(self.jobs.new_job_id(), rid, n_groups, groups_, gpu,
                                        [slot_of[k] for k in keylist],
-                                       disk_keys=tuple(on_disk), disk_slots=tuple(slot_of[k] for k in on_disk),
-                                       remote_keys=tuple(remote), remote_slots=tuple(slot_of[k] for k in remote))
+                                       reads=tuple(TierRead(name, tuple(keys), tuple(slot_of[k] for k in keys))
+                                                   for name, keys in ((DISK, on_disk), (SHARED, remote)) if keys))
         self.jobs.add_load(job, keylist, tokens, promoted=promoted, read_back=after, events=events)
 
     def _kv(self) -> KVBinding:

@@ -98,12 +98,14 @@ class OffloadScheduler:
             self.jobs.on_stored.append(self.disk.stored)
             self.admission.disk = self.disk
         self.remote: RemoteTierPlanner | None = None
-        self.remote_epoch = 0
         if config.remote_store is not None:
             markers = open_marker_store(config, vllm_config, kv_cache_config, self.groups)
             self.remote = RemoteTierPlanner(markers, self.tier, self.reporters, max_writing_blocks(capacity))
             self.jobs.on_stored.append(self.remote.stored)
             self.admission.remote = self.remote
+        # The second tiers in read order (disk before the shared store), each by its name in the step messages.
+        self.second_tiers: dict[str, DiskTierPlanner | RemoteTierPlanner] = {
+            t.name: t for t in (self.disk, self.remote) if t is not None}
         self.resets = 0
         # Until the first step, ask vLLM for one (has_pending_work): its stats carry the tier's capacity to
         # /metrics right after start-up instead of after the first request.
@@ -185,8 +187,8 @@ class OffloadScheduler:
             return False, None
         state.finished = True
         self.fair.clear(rid)
-        if self.remote is not None:
-            self.remote.forget(rid)
+        for second in self.second_tiers.values():
+            second.forget(rid)
         # Aborted while its load was in flight: the copy still targets the request's blocks, which vLLM itself
         # keeps until the load reports in finished_recving (finish_requests, WAITING_FOR_REMOTE_KVS) and then
         # frees. The tier entries stay pinned until the worker reports the job (see update_connector_output).
@@ -216,13 +218,10 @@ class OffloadScheduler:
             self.stores.plan(state, state.request.num_computed_tokens + n, None)
         self._watch(scheduler_output)
         loads, stores, delayed_free = self.jobs.take_step()
-        disk_clear, disk_drops, disk_writes = self.disk.take_step() if self.disk is not None else (False, (), ())
         load_fences, self._load_fences = tuple(self._load_fences), []
         return OffloadMetadata(step=self._step, loads=loads, stores=stores, delayed_free=delayed_free,
-                               store_fences=fences, load_fences=load_fences, disk_clear=disk_clear,
-                               disk_drops=disk_drops, disk_writes=disk_writes, tier_slots=self.tier.capacity_slots,
-                               remote_writes=self.remote.take_step() if self.remote is not None else (),
-                               remote_epoch=self.remote_epoch)
+                               store_fences=fences, load_fences=load_fences, tier_slots=self.tier.capacity_slots,
+                               tier_steps={name: t.take_step() for name, t in self.second_tiers.items()})
 
     def _watch(self, scheduler_output: SchedulerOutput) -> None:
         # With no token scheduled nothing runs, so every unfinished request is waiting.
@@ -245,16 +244,12 @@ class OffloadScheduler:
                 self._finish_store(job_id, ok=True)
             for job_id in meta.stores_failed:
                 self._finish_store(job_id, ok=False)
-            if self.disk is not None:
-                for job_id in meta.disk_writes_done:
-                    self.disk.write_finished(job_id, ok=True)
-                for job_id in meta.disk_writes_failed:
-                    self.disk.write_finished(job_id, ok=False)
-            if self.remote is not None:
-                for job_id in meta.remote_writes_done:
-                    self.remote.write_finished(job_id, ok=True)
-                for job_id in meta.remote_writes_failed:
-                    self.remote.write_finished(job_id, ok=False)
+            for name, job_ids in meta.writes_done.items():
+                for job_id in job_ids:
+                    self.second_tiers[name].write_finished(job_id, ok=True)
+            for name, job_ids in meta.writes_failed.items():
+                for job_id in job_ids:
+                    self.second_tiers[name].write_finished(job_id, ok=False)
         for rid in output.finished_sending or ():
             self.jobs.freed(rid)
             state = self._requests.get(rid)
@@ -312,20 +307,14 @@ class OffloadScheduler:
                                self.tier.store_rejections, bias if isinstance(bias, (int, float)) else 0.0)
         self.stats.record_deferred_requests(
             sum(1 for s in self._requests.values() if s.deferred_since is not None))
-        if self.remote is not None:
-            r = self.remote.counters
-            self.stats.record_remote_tier(r.fetched_blocks, r.write_skips, r.writes_landed)
-            self.stats.record_rejections("shared", "markers", self.remote.markers.stats().rejected)
-        if self.disk is not None:
-            c = self.disk.counters
-            self.stats.record_disk_tier(self.disk.used_slots(), self.disk.catalog.num_slots, c.evictions,
-                                        c.promoted_blocks, c.write_skips)
+        for second in self.second_tiers.values():
+            second.record_stats(self.stats)
         return self.stats.take()
 
     def has_pending_work(self) -> bool:
         # Also while events wait to be published (a reset on an idle engine) and before the first step.
         return (self.jobs.busy() or bool(self.events) or self._startup_step_pending
-                or (self.disk is not None and self.disk.busy()) or (self.remote is not None and self.remote.busy()))
+                or any(second.busy() for second in self.second_tiers.values()))
 
     # ------------------------------------------------------------------ operations
     def reset_cache(self) -> bool:
@@ -340,18 +329,12 @@ class OffloadScheduler:
         what the GPU holds. Readable entries are announced removed (KV cache events). Always succeeds."""
         self.jobs.retire_in_flight()
         before = self.tier.used_slots()
-        if self.disk is not None:  # the disk tier too: a reset (e.g. after a weight update) must not serve old KV
-            self.disk.clear()
-        if self.remote is not None:
-            # The shared pool is other engines' too and is not emptied: this engine moves to a new namespace epoch
-            # (markers and shards), so it neither reads what was written before the reset nor mixes with it.
-            self.remote.clear()
-            self.remote_epoch += 1
-            self.remote.set_epoch(self.remote_epoch)
+        # The second tiers too: a reset (e.g. after a weight update) must not serve old KV from them either.
+        for second in self.second_tiers.values():
+            second.clear()
         self.tier.clear()
-        for second in (self.disk, self.remote):
-            if second is not None:
-                second.after_tier_clear()
+        for second in self.second_tiers.values():
+            second.after_tier_clear()
         for state in self._requests.values():
             if not state.finished:
                 self._restart_stores(state)

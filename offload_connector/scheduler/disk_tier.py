@@ -20,16 +20,19 @@ worker's tier never has to evict on its own). A key is readable once every worke
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
 from offload_connector.disk.format import DiskFormatError
 from offload_connector.disk.index import DiskEntry, DiskIndex, scan_directory
 from offload_connector.disk.placement import rank_dir
 from offload_connector.log import get_logger
-from offload_connector.metadata import TierWrite
+from offload_connector.transfer_jobs import DISK, TierStep
 from offload_connector.scheduler.write_through import WriteThrough
 from offload_connector.scheduler.tier_index import TierIndex
 from offload_connector.keys import BlockKey
+
+if TYPE_CHECKING:
+    from offload_connector.metrics import OffloadStatsSink
 
 logger = get_logger(__name__)
 
@@ -57,6 +60,8 @@ class ReadBack:
 
 
 class DiskTierPlanner:
+    name = DISK
+
     def __init__(self, tier: TierIndex, num_slots: int, reporters: int, max_writing: int) -> None:
         self.tier = tier
         self.catalog = DiskIndex(num_slots)
@@ -191,9 +196,9 @@ class DiskTierPlanner:
         self.writes.after_tier_clear()
 
     # ------------------------------------------------------------------- step
-    def take_step(self) -> tuple[bool, tuple[Key, ...], tuple[TierWrite, ...]]:
-        """(clear, drops, writes) for this step's metadata."""
-        out = (self._clear_pending, tuple(self._pending_drops), self.writes.take())
+    def take_step(self) -> TierStep:
+        """This step's clear, drops and writes, for the metadata."""
+        out = TierStep(clear=self._clear_pending, drops=tuple(self._pending_drops), writes=self.writes.take())
         self._clear_pending, self._pending_drops = False, []
         return out
 
@@ -202,6 +207,14 @@ class DiskTierPlanner:
 
     def used_slots(self) -> int:
         return self.catalog.used_slots()
+
+    def record_stats(self, stats: OffloadStatsSink) -> None:
+        c = self.counters
+        stats.record_disk_tier(self.used_slots(), self.catalog.num_slots, c.evictions, c.promoted_blocks,
+                               c.write_skips)
+
+    def forget(self, request_id: str) -> None:
+        """Nothing kept per request (the shared tier caches its lookups per request)."""
 
 
 def dp_rank_of(vllm_config: object) -> int:

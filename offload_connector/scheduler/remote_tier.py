@@ -21,7 +21,7 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Callable, Iterable, Sequence
 
 from offload_connector.log import get_logger
-from offload_connector.metadata import TierWrite
+from offload_connector.transfer_jobs import SHARED, TierStep
 from offload_connector.scheduler.lookup import full_prefix_tokens
 from offload_connector.scheduler.write_through import WriteThrough
 from offload_connector.scheduler.tier_index import TierIndex
@@ -33,6 +33,7 @@ if TYPE_CHECKING:
 
     from offload_connector.config import OffloadConfig
     from offload_connector.groups import GroupInfo
+    from offload_connector.metrics import OffloadStatsSink
     from offload_connector.remote import RemoteStore
     from offload_connector.scheduler.lookup import BlockKeys
 
@@ -64,8 +65,11 @@ class Fetch:
 
 
 class RemoteTierPlanner:
+    name = SHARED
+
     def __init__(self, markers: RemoteStore, tier: TierIndex, reporters: int, max_writing: int) -> None:
         self.markers = markers  # a RemoteStore under the engine-independent marker fingerprint
+        self.epoch = 0  # cache resets so far: the shared tier's keys live in a namespace per epoch
         self.tier = tier
         self.counters = RemoteCounters()
         self.writes = WriteThrough(tier, reporters, max_writing)
@@ -167,24 +171,30 @@ class RemoteTierPlanner:
 
     # ------------------------------------------------------------------ reset
     def clear(self) -> None:
-        """A cache reset: this engine stops serving from the shared tier what it saw before (the pool itself is
-        shared with other engines and is not emptied). Call before `TierIndex.clear()`; see `after_tier_clear`."""
+        """A cache reset: this engine stops serving from the shared tier what it saw before. The pool is other
+        engines' too and is not emptied: this engine moves to a new namespace epoch (markers and shards), so it
+        neither reads what was written before the reset nor mixes with it. Call before `TierIndex.clear()`; see
+        `after_tier_clear`."""
         self.writes.clear()
         self._written.clear()
         self._present.clear()
-
-    def set_epoch(self, epoch: int) -> None:
-        self.markers.set_epoch(epoch)
+        self.epoch += 1
+        self.markers.set_epoch(self.epoch)
 
     def after_tier_clear(self) -> None:
         self.writes.after_tier_clear()
 
     # ------------------------------------------------------------------- step
-    def take_step(self) -> tuple[TierWrite, ...]:
-        return self.writes.take()
+    def take_step(self) -> TierStep:
+        return TierStep(writes=self.writes.take(), epoch=self.epoch)
 
     def busy(self) -> bool:
         return self.writes.busy()
+
+    def record_stats(self, stats: OffloadStatsSink) -> None:
+        r = self.counters
+        stats.record_remote_tier(r.fetched_blocks, r.write_skips, r.writes_landed)
+        stats.record_rejections(SHARED, "markers", self.markers.stats().rejected)
 
 
 def open_marker_store(config: OffloadConfig, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig,

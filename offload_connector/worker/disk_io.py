@@ -17,7 +17,7 @@ from offload_connector.disk import DiskFingerprint
 from offload_connector.disk.format import MAC_KEY_PURPOSE
 from offload_connector.disk.placement import disk_budget, disk_slots, rank_dir
 from offload_connector.log import get_logger
-from offload_connector.metadata import TierWrite, OffloadMetadata, TransferJob
+from offload_connector.transfer_jobs import DISK, TierRead, TierStep, TierWrite
 from offload_connector.tier_auth import mac_key_from_file
 
 if TYPE_CHECKING:
@@ -74,6 +74,8 @@ def fingerprint_for(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, gro
 
 
 class WorkerDiskTier:
+    name = DISK
+
     def __init__(self, store: DiskStore, host: torch.Tensor, group_bytes: Sequence[int]) -> None:
         self.store = store
         self._host = host  # the CPU tier: a (num_slots, slot_bytes) uint8 CPU tensor
@@ -102,22 +104,22 @@ class WorkerDiskTier:
         return self._host[slot, : self._group_bytes[int(key[0])]]
 
     # ------------------------------------------------------------------ step
-    def apply(self, meta: OffloadMetadata) -> None:
+    def apply(self, step: TierStep) -> None:
         """This step's clear, drops and writes, in that order (as the scheduler planned them)."""
-        if meta.disk_clear:
+        if step.clear:
             self.store.clear()
-        for key in meta.disk_drops:
+        for key in step.drops:
             self.store.drop(key)
-        for write in meta.disk_writes:
+        for write in step.writes:
             self._submit_write(write)
 
     def _submit_write(self, write: TierWrite) -> None:
         self._writes[write.job_id] = [self.store.write(key, self._slot(key, slot))
                                       for key, slot in zip(write.keys, write.host_slots)]
 
-    def read_back(self, job: TransferJob) -> list[DiskIO]:
-        """Start reading `job`'s disk keys into their CPU-tier slots; one `DiskIO` handle per block."""
-        return [self.store.read(key, self._slot(key, slot)) for key, slot in zip(job.disk_keys, job.disk_slots)]
+    def read_back(self, read: TierRead) -> list[DiskIO]:
+        """Start reading a load's disk keys into their CPU-tier slots; one `DiskIO` handle per block."""
+        return [self.store.read(key, self._slot(key, slot)) for key, slot in zip(read.keys, read.slots)]
 
     def finished_writes(self) -> tuple[list[int], list[int]]:
         """(done, failed) write jobs since the last call. A write of a key the tier already held counts as done."""

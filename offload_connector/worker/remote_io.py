@@ -12,7 +12,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Sequence
 
 from offload_connector.log import get_logger
-from offload_connector.metadata import OffloadMetadata, TierWrite, TransferJob
+from offload_connector.transfer_jobs import SHARED, TierRead, TierStep, TierWrite
 
 if TYPE_CHECKING:
     import numpy as np
@@ -62,12 +62,15 @@ class FetchIO:
 
 
 class WorkerRemoteTier:
+    name = SHARED
+
     def __init__(self, store: RemoteStore, host: torch.Tensor, group_bytes: Sequence[int]) -> None:
         self.store = store  # an offload_connector.remote.RemoteStore under this worker's own fingerprint
         self._host = host  # the CPU tier: a (num_slots, slot_bytes) uint8 CPU tensor
         self._group_bytes = list(group_bytes)
         self._pool = ThreadPoolExecutor(1, thread_name_prefix="oc-remote")
         self._writes: dict[int, Future] = {}
+        self._epoch = 0  # the scheduler's namespace epoch the store is set to
         self._seen = (0, 0, 0)
 
     @classmethod
@@ -88,8 +91,12 @@ class WorkerRemoteTier:
     def _buffers(self, keys: Sequence[BlockKey], slots: Sequence[int]) -> list[np.ndarray]:
         return [self._host[slot, : self._group_bytes[int(key[0])]].numpy() for key, slot in zip(keys, slots)]
 
-    def apply(self, meta: OffloadMetadata) -> None:
-        for write in meta.remote_writes:
+    def apply(self, step: TierStep) -> None:
+        """This step's writes, under the scheduler's namespace epoch (it moves on at each cache reset)."""
+        if step.epoch != self._epoch:
+            self.store.set_epoch(step.epoch)
+            self._epoch = step.epoch
+        for write in step.writes:
             self._writes[write.job_id] = self._pool.submit(self._put, write)
 
     def _put(self, write: TierWrite) -> bool:
@@ -102,18 +109,18 @@ class WorkerRemoteTier:
                 ok[i] = good
         return all(ok)
 
-    def read_back(self, job: TransferJob) -> list[FetchIO]:
-        return [FetchIO(self._pool.submit(self._get, job))]
+    def read_back(self, read: TierRead) -> list[FetchIO]:
+        return [FetchIO(self._pool.submit(self._get, read))]
 
-    def _get(self, job: TransferJob) -> tuple[bool, str | None]:
-        keys, bufs = list(job.remote_keys), self._buffers(job.remote_keys, job.remote_slots)
+    def _get(self, read: TierRead) -> tuple[bool, str | None]:
+        keys, bufs = list(read.keys), self._buffers(read.keys, read.slots)
         got = self.store.get(keys, bufs)
         retry = [i for i, ok in enumerate(got) if not ok]
         if retry:  # once, as for puts; a block really gone (evicted) misses again and fails the load
             again = self.store.get([keys[i] for i in retry], [bufs[i] for i in retry])
             for i, ok in zip(retry, again):
                 got[i] = ok
-        missing = [k for k, ok in zip(job.remote_keys, got) if not ok]
+        missing = [k for k, ok in zip(read.keys, got) if not ok]
         if missing:
             return False, f"shared tier: {len(missing)} of {len(got)} blocks missing or rejected (first {missing[0]!r})"
         return True, None
@@ -139,9 +146,6 @@ class WorkerRemoteTier:
     def rejected(self) -> dict[str, int]:
         """Values this worker's store refused since it opened, by reason (cumulative)."""
         return self.store.stats().rejected
-
-    def set_epoch(self, epoch: int) -> None:
-        self.store.set_epoch(epoch)
 
     def close(self) -> None:
         self._pool.shutdown(wait=True)

@@ -1,15 +1,15 @@
 """What the worker side asks of a second tier (the disk tier, the shared store), whatever it is.
 
-`OffloadWorker` holds at most one of each and calls only these: this step's planned writes and drops, reads of a
-load's blocks into their CPU-tier slots, and what finished, moved and was refused since the last step. A new second
-tier implements this contract and nothing in `worker/side.py` names it.
+`OffloadWorker` holds them by name (`name`, the tier's key in the step messages) and calls only these: this step's
+planned operations, reads of a load's blocks into their CPU-tier slots, and what finished, moved and was refused since
+the last step. A new second tier implements this contract and nothing in `worker/side.py` names it.
 """
 
 from __future__ import annotations
 
 from typing import Protocol, runtime_checkable
 
-from offload_connector.metadata import OffloadMetadata, TransferJob
+from offload_connector.transfer_jobs import TierRead, TierStep
 
 
 @runtime_checkable
@@ -27,11 +27,13 @@ class ReadHandle(Protocol):
 
 @runtime_checkable
 class WorkerSecondTier(Protocol):
-    def apply(self, meta: OffloadMetadata) -> None:
-        """This step's writes and drops, as the scheduler planned them."""
+    name: str
 
-    def read_back(self, job: TransferJob) -> list[ReadHandle]:
-        """Start reading `job`'s keys of this tier into their CPU-tier slots."""
+    def apply(self, step: TierStep) -> None:
+        """This step's operations (clear, drops, writes, epoch), as the scheduler planned them."""
+
+    def read_back(self, read: TierRead) -> list[ReadHandle]:
+        """Start reading a load's keys of this tier into their CPU-tier slots."""
 
     def finished_writes(self) -> tuple[list[int], list[int]]:
         """(done, failed) write jobs since the last call."""

@@ -32,7 +32,6 @@ if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
 
     from offload_connector.kernels import HostTier
-    from offload_connector.worker.remote_io import WorkerRemoteTier
 
 logger = get_logger(__name__)
 
@@ -105,20 +104,16 @@ class OffloadWorker:
         self._stores_failed: list[int] = []
         self._landed: list[tuple[str, bool]] = []  # loads polled since the last report: (request, ok)
         self.num_slots = 0
-        self.disk: WorkerSecondTier | None = None  # worker.disk_io.WorkerDiskTier when the disk tier is on
-        # The shared tier also takes the scheduler's epoch (a reset of the namespace), hence its own type.
-        self.remote: WorkerRemoteTier | None = None
-        self._remote_epoch = 0
+        # The second tiers this worker opened (disk, shared), by their names in the step messages.
+        self.second_tiers: dict[str, WorkerSecondTier] = {}
         # Loads waiting for their blocks to come back from disk or the shared tier: (job, completion handles).
         self._reading: list[tuple[TransferJob, list[ReadHandle], float]] = []  # (job, read handles, started)
         # Reads of loads failed by load_timeout_s that have not returned: they may still write their CPU-tier slots.
         self._abandoned: list[tuple[TransferJob, list[ReadHandle]]] = []
         self._reads_abandoned: list[int] = []
         self._reads_settled: list[int] = []
-        self._disk_done: list[int] = []
-        self._disk_failed: list[int] = []
-        self._remote_done: list[int] = []
-        self._remote_failed: list[int] = []
+        self._writes_done: dict[str, list[int]] = {}
+        self._writes_failed: dict[str, list[int]] = {}
         # The debug section's fault injection and test delays (worker/faults.py): None unless it turns one on, and
         # then they wrap the transfer engine and the load reports.
         self.faults = install_faults(config.debug, worker_rank)
@@ -170,16 +165,18 @@ class OffloadWorker:
         rank = current_rank(self._vllm_config)
         fingerprint = fingerprint_for(self._vllm_config, self.kv_cache_config, layout.group_bytes, layout.slot_bytes,
                                       rank)
+        opened: list[WorkerSecondTier] = []
         if self.config.disk_path is not None:
-            self.disk = WorkerDiskTier.open(self.config.disk_path, self.config.disk_bytes, tier_slot_bytes,
-                                            self.host_tier.tensor, layout.group_bytes, fingerprint, rank,
-                                            secret_file=self.config.disk_secret_file)
+            opened.append(WorkerDiskTier.open(self.config.disk_path, self.config.disk_bytes, tier_slot_bytes,
+                                              self.host_tier.tensor, layout.group_bytes, fingerprint, rank,
+                                              secret_file=self.config.disk_secret_file))
         if self.config.remote_store is not None:
             from offload_connector.worker.remote_io import WorkerRemoteTier
             from offload_connector.remote.secret import shared_tier_mac_key
-            self.remote = WorkerRemoteTier.open(self.config.remote_store, dict(self.config.remote_options),
+            opened.append(WorkerRemoteTier.open(self.config.remote_store, dict(self.config.remote_options),
                                                 fingerprint, rank, self.host_tier.tensor, layout.group_bytes,
-                                                mac_key=shared_tier_mac_key(self.config))
+                                                mac_key=shared_tier_mac_key(self.config)))
+        self.second_tiers = {tier.name: tier for tier in opened}
 
     # -------------------------------------------------------------- per step
     def fence(self, meta: OffloadMetadata) -> None:
@@ -207,19 +204,14 @@ class OffloadWorker:
                                f"worker's tier has {self.num_slots} (its KV blocks are larger than the first "
                                f"pipeline stage's); raise 'cpu_bytes' or balance the pipeline stages")
         self.fence(meta)  # no-op when handle_preemptions already ran for this step
-        if self.disk is not None:
-            self.disk.apply(meta)
-        if self.remote is not None:
-            if meta.remote_epoch != self._remote_epoch:
-                self.remote.set_epoch(meta.remote_epoch)
-                self._remote_epoch = meta.remote_epoch
-            self.remote.apply(meta)
+        for name, second in self.second_tiers.items():
+            second.apply(meta.tier_step(name))
         for job in meta.stores:
             self._store_owner[job.job_id] = job.request_id
             self._stores_of.setdefault(job.request_id, set()).add(job.job_id)
             self.engine.submit_store(job)
         for job in meta.loads:
-            if job.disk_keys or job.remote_keys:
+            if job.reads:
                 self._start_reads(job)  # copied to the GPU once its blocks are back in the CPU tier (land_reads)
             else:
                 self.engine.submit_load(job)
@@ -229,18 +221,14 @@ class OffloadWorker:
         if self.engine is None:
             return
         self.land_reads()
-        if self.disk is not None:
-            done, failed = self.disk.finished_writes()
-            self._disk_done.extend(done)
-            self._disk_failed.extend(failed)
-            self.stats.record_disk_io(*self.disk.io_deltas())
-            self.stats.record_rejections("disk", "worker", self.disk.rejected())
-        if self.remote is not None:
-            done, failed = self.remote.finished_writes()
-            self._remote_done.extend(done)
-            self._remote_failed.extend(failed)
-            self.stats.record_remote_io(*self.remote.io_deltas())
-            self.stats.record_rejections("shared", "worker", self.remote.rejected())
+        for name, second in self.second_tiers.items():
+            done, failed = second.finished_writes()
+            if done:
+                self._writes_done.setdefault(name, []).extend(done)
+            if failed:
+                self._writes_failed.setdefault(name, []).extend(failed)
+            self.stats.record_tier_io(name, *second.io_deltas())
+            self.stats.record_rejections(name, "worker", second.rejected())
         timeouts_before = self.engine.timeouts
         results = self.engine.poll()
         for _ in range(self.engine.timeouts - timeouts_before):
@@ -266,8 +254,7 @@ class OffloadWorker:
 
     def _start_reads(self, job: TransferJob) -> None:
         handles: list[ReadHandle] = []
-        missing = [name for name, keys, tier in (("disk", job.disk_keys, self.disk),
-                                                 ("shared", job.remote_keys, self.remote)) if keys and tier is None]
+        missing = [read.tier for read in job.reads if read.tier not in self.second_tiers]
         if missing:  # the scheduler and this worker disagree on the tiers: fail the load, never copy a partial one
             assert self.engine is not None
             self.engine.submit_failed_load(job, f"this worker has no {missing[0]} tier")
@@ -276,10 +263,8 @@ class OffloadWorker:
         # load may still be read by that load's copy.
         assert self.engine is not None
         self.engine.wait_for_ordered_loads()
-        if job.disk_keys:
-            handles += self.disk.read_back(job)
-        if job.remote_keys:
-            handles += self.remote.read_back(job)
+        for read in job.reads:
+            handles += self.second_tiers[read.tier].read_back(read)
         self._reading.append((job, handles, time.monotonic()))
 
     def land_reads(self) -> None:
@@ -337,15 +322,14 @@ class OffloadWorker:
         return sending or None, recving or None
 
     def worker_meta(self) -> OffloadWorkerMetadata | None:
-        if not (self._stores_done or self._stores_failed or self._disk_done or self._disk_failed
-                or self._remote_done or self._remote_failed or self._reads_abandoned or self._reads_settled):
+        if not (self._stores_done or self._stores_failed or self._writes_done or self._writes_failed
+                or self._reads_abandoned or self._reads_settled):
             return None
         meta = OffloadWorkerMetadata(stores_done=self._stores_done, stores_failed=self._stores_failed,
-                                     disk_writes_done=self._disk_done, disk_writes_failed=self._disk_failed,
-                                     remote_writes_done=self._remote_done, remote_writes_failed=self._remote_failed,
+                                     writes_done=self._writes_done, writes_failed=self._writes_failed,
                                      reads_abandoned=self._reads_abandoned, reads_settled=self._reads_settled)
-        self._stores_done, self._stores_failed, self._disk_done, self._disk_failed = [], [], [], []
-        self._remote_done, self._remote_failed, self._reads_abandoned, self._reads_settled = [], [], [], []
+        self._stores_done, self._stores_failed, self._writes_done, self._writes_failed = [], [], {}, {}
+        self._reads_abandoned, self._reads_settled = [], []
         return meta
 
     def take_stats(self) -> OffloadStats | None:
@@ -354,10 +338,8 @@ class OffloadWorker:
     def shutdown(self) -> None:
         if self.engine is not None:
             self.engine.drain()
-        if self.disk is not None:
-            self.disk.close()  # waits for the writes in flight and fsyncs: a restart finds them
-        if self.remote is not None:
-            self.remote.close()
+        for second in self.second_tiers.values():
+            second.close()  # waits for the writes in flight (the disk tier fsyncs: a restart finds them)
         close = getattr(self.host_tier, "close", None)
         if close is not None:
             close()

@@ -170,6 +170,7 @@ def test_a_store_lands_only_when_every_worker_reports_it_done(reports):
     is over changes nothing."""
     from offload_connector.metadata import TransferJob
     from offload_connector.scheduler.events import TierEvents
+    from offload_connector.transfer_jobs import SHARED, TierRead
     from offload_connector.scheduler.jobs import JobBook
     from offload_connector.scheduler.tier_index import TierIndex
 
@@ -197,14 +198,15 @@ def test_an_abandoned_read_back_holds_its_slots_until_it_returns(settled_first):
     that returned before the failure reached the scheduler holds nothing."""
     from offload_connector.metadata import TransferJob
     from offload_connector.scheduler.events import TierEvents
+    from offload_connector.transfer_jobs import SHARED, TierRead
     from offload_connector.scheduler.jobs import JobBook
     from offload_connector.scheduler.tier_index import TierIndex
     tier = TierIndex(3, [10])
     book = JobBook(tier, TierEvents(False, []), reporters=1)
     keys = [(0, b"a"), (0, b"b")]
     slots = [s for _, s in tier.begin_store(keys)]  # reserved for the read-back (being written, not readable)
-    job = TransferJob.from_columns(book.new_job_id(), "r", 1, [0, 0], [5, 6], slots, remote_keys=tuple(keys),
-                                   remote_slots=tuple(slots))
+    job = TransferJob.from_columns(book.new_job_id(), "r", 1, [0, 0], [5, 6], slots,
+                                   reads=(TierRead(SHARED, tuple(keys), tuple(slots)),))
     book.add_load(job, keys, 32, promoted=keys)
     book.reads_abandoned([job.job_id])
     if settled_first:

@@ -14,7 +14,7 @@ from offload_connector.config import ConfigError, OffloadConfig
 from offload_connector.disk import DiskFingerprint, DiskStore
 from offload_connector.disk.format import HEADER_BYTES, slot_stride
 from offload_connector.disk.placement import disk_budget, disk_slots, rank_dir
-from offload_connector.metadata import TierWrite, OffloadMetadata, TransferJob
+from offload_connector.transfer_jobs import DISK, TierRead, TierStep, TierWrite, TransferJob
 from offload_connector.scheduler.disk_tier import DiskTierPlanner
 from offload_connector.scheduler.write_through import max_writing_blocks
 from offload_connector.scheduler.tier_index import TierIndex
@@ -78,8 +78,8 @@ def test_landed_store_is_written_through_pinned_until_every_worker_reports() -> 
     keys = [_key(i) for i in range(3)]
     _store(tier, keys)
     disk.stored(keys, job_id=7)
-    clear, drops, writes = disk.take_step()
-    assert not clear and drops == () and writes == (TierWrite(7, tuple(keys), tuple(tier.slot_of(k) for k in keys)),)
+    step = disk.take_step()
+    assert step == TierStep(writes=(TierWrite(7, tuple(keys), tuple(tier.slot_of(k) for k in keys)),))
     assert all(tier.pin_count(k) == 1 for k in keys)  # a write reads the slots: they must not be evicted
     assert not any(disk.readable(k) for k in keys)
     disk.write_finished(7, ok=True)  # one worker of two
@@ -103,7 +103,7 @@ def test_a_write_failed_on_one_worker_is_dropped_on_all() -> None:
     disk.write_finished(1, ok=False)
     assert not any(disk.catalog.get(k) for k in keys) and disk.catalog.used_slots() == 0
     assert all(tier.pin_count(k) == 0 for k in keys)
-    _, drops, _ = disk.take_step()
+    drops = disk.take_step().drops
     assert set(drops) == set(keys)  # the worker that wrote them forgets them too
     assert disk.counters.write_failures == 2
 
@@ -120,7 +120,8 @@ def test_disk_eviction_drops_lru_everywhere_and_never_a_key_being_read() -> None
     more = [_key(10), _key(11)]
     _store(tier, more)
     disk.stored(more, 2)
-    _, drops, writes = disk.take_step()
+    step = disk.take_step()
+    drops, writes = step.drops, step.writes
     assert set(drops) == {first[1], first[2]} and writes[0].keys == tuple(more)
     assert disk.catalog.contains(first[0]) and disk.counters.evictions == 2
     disk.read_finished(back, ok=True)
@@ -138,7 +139,7 @@ def test_a_failed_read_back_forgets_its_keys_everywhere() -> None:
     back = disk.pin_for_read(keys[:2])
     disk.read_finished(back, ok=False)
     assert not disk.catalog.contains(keys[0]) and not disk.catalog.contains(keys[1]) and disk.catalog.contains(keys[2])
-    assert set(disk.take_step()[1]) == set(keys[:2])
+    assert set(disk.take_step().drops) == set(keys[:2])
     assert disk.counters.read_failures == 1
 
 
@@ -147,7 +148,7 @@ def test_writes_in_flight_are_capped_and_skipped_past_the_cap() -> None:
     keys = [_key(i) for i in range(5)]
     _store(tier, keys)
     disk.stored(keys, 1)
-    assert disk.take_step()[2][0].keys == tuple(keys[:2])
+    assert disk.take_step().writes[0].keys == tuple(keys[:2])
     assert disk.counters.write_skips == 3
     assert all(tier.pin_count(k) == 0 for k in keys[2:])
 
@@ -163,8 +164,7 @@ def test_reset_forgets_the_disk_tier_and_releases_every_slot() -> None:
     disk.clear()
     tier.clear()
     disk.after_tier_clear()
-    clear, drops, writes = disk.take_step()
-    assert clear and drops == () and writes == ()
+    assert disk.take_step() == TierStep(clear=True)
     assert len(disk.catalog) == 0
     assert set(tier.view().retired) == sent_slots  # job 1's slots wait for its report; job 2's are free
     disk.write_finished(1, ok=False)  # the workers' clear dropped it while it was being written
@@ -194,12 +194,12 @@ def test_recovery_keeps_what_every_worker_holds(tmp_path) -> None:
     disk.recover(str(tmp_path), dp_rank=0, pp_size=1, tp_size=2)
     assert {k for k in both if disk.readable(k)} == set(both)
     assert not any(disk.catalog.get(k) for k in only0)
-    assert set(disk.take_step()[1]) == set(only0)
+    assert set(disk.take_step().drops) == set(only0)
     assert disk.counters.recovered == 5 and disk.counters.dropped_at_start == 2
     # A worker with no file yet (a new rank): nothing is recoverable, everything found is dropped.
     tier, disk = _planner(disk_slots_=n)
     disk.recover(str(tmp_path), dp_rank=0, pp_size=1, tp_size=3)
-    assert len(disk.catalog) == 0 and len(disk.take_step()[1]) == 7
+    assert len(disk.catalog) == 0 and len(disk.take_step().drops) == 7
 
 
 def test_recovery_uses_the_smallest_worker_file(tmp_path) -> None:
@@ -232,12 +232,12 @@ def test_worker_writes_then_reads_back_the_same_bytes(tmp_path) -> None:
     host[0] = torch.arange(SLOT, dtype=torch.int64).remainder(251).to(torch.uint8)
     host[1, : SLOT // 2] = 7  # a group-1 block: half a slot
     keys = (_key(1, g=0), _key(2, g=1))
-    w.apply(OffloadMetadata(step=1, disk_writes=(TierWrite(5, keys, (0, 1)),)))
+    w.apply(TierStep(writes=(TierWrite(5, keys, (0, 1)),)))
     done = []
     _until(lambda: done.extend(w.finished_writes()[0]) or done)
     assert done == [5]
-    job = TransferJob(9, "r", ((3, 4), ()), ((2, 3), ()), disk_keys=keys, disk_slots=(2, 3))
-    ios = w.read_back(job)
+    job = TransferJob(9, "r", ((3, 4), ()), ((2, 3), ()), reads=(TierRead(DISK, keys, (2, 3)),))
+    ios = w.read_back(job.read_of(DISK))
     _until(lambda: all(io.done() for io in ios))
     assert [io.ok for io in ios] == [True, True]
     assert torch.equal(host[2], host[0]) and torch.equal(host[3, : SLOT // 2], host[1, : SLOT // 2])
@@ -249,7 +249,7 @@ def test_worker_writes_then_reads_back_the_same_bytes(tmp_path) -> None:
 def test_worker_read_of_a_corrupt_slot_fails_the_load(tmp_path) -> None:
     w, host = _worker(tmp_path)
     host[0] = 3
-    w.apply(OffloadMetadata(step=1, disk_writes=(TierWrite(1, (_key(1),), (0,)),)))
+    w.apply(TierStep(writes=(TierWrite(1, (_key(1),), (0,)),)))
     _until(lambda: w.finished_writes()[0])
     path = w.store.path
     with open(path, "r+b") as f:  # flip one byte of slot 0's data
@@ -257,7 +257,7 @@ def test_worker_read_of_a_corrupt_slot_fails_the_load(tmp_path) -> None:
         b = f.read(1)
         f.seek(HEADER_BYTES + 100)
         f.write(bytes([b[0] ^ 0xFF]))
-    [io] = w.read_back(TransferJob(2, "r", ((0,), ()), ((5,), ()), disk_keys=(_key(1),), disk_slots=(5,)))
+    [io] = w.read_back(TierRead(DISK, (_key(1),), (5,)))
     _until(io.done)
     assert not io.ok and "corrupt" in io.error
     assert w.io_deltas()[2] >= 1
@@ -266,11 +266,11 @@ def test_worker_read_of_a_corrupt_slot_fails_the_load(tmp_path) -> None:
 
 def test_worker_clear_and_drops_follow_the_metadata_order(tmp_path) -> None:
     w, host = _worker(tmp_path)
-    w.apply(OffloadMetadata(step=1, disk_writes=(TierWrite(1, (_key(1), _key(2)), (0, 1)),)))
+    w.apply(TierStep(writes=(TierWrite(1, (_key(1), _key(2)), (0, 1)),)))
     _until(lambda: w.finished_writes()[0])
-    w.apply(OffloadMetadata(step=2, disk_drops=(_key(1),)))
+    w.apply(TierStep(drops=(_key(1),)))
     assert not w.store.contains(_key(1)) and w.store.contains(_key(2))
-    w.apply(OffloadMetadata(step=3, disk_clear=True, disk_writes=(TierWrite(2, (_key(3),), (2,)),)))
+    w.apply(TierStep(clear=True, writes=(TierWrite(2, (_key(3),), (2,)),)))
     _until(lambda: w.finished_writes()[0])
     assert w.store.keys() == [_key(3)]
     w.close()
@@ -279,7 +279,7 @@ def test_worker_clear_and_drops_follow_the_metadata_order(tmp_path) -> None:
 def test_a_different_model_never_reads_the_file(tmp_path) -> None:
     w, host = _worker(tmp_path)
     host[0] = 9
-    w.apply(OffloadMetadata(step=1, disk_writes=(TierWrite(1, (_key(1),), (0,)),)))
+    w.apply(TierStep(writes=(TierWrite(1, (_key(1),), (0,)),)))
     _until(lambda: w.finished_writes()[0])
     w.close()
     other, _ = _worker(tmp_path, DiskFingerprint("another-model", (SLOT, SLOT), (16, 16), "bf16", SLOT))

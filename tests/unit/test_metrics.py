@@ -379,6 +379,9 @@ def test_module_imports_neither_side() -> None:
            [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names
             if a.name.startswith("offload_connector")]
     assert ours == [], ours
+    # ... so the second tiers' names are spelled out there: the same as the step messages'.
+    from offload_connector.transfer_jobs import DISK, SHARED
+    assert set(m._TIER_IO) == {DISK, SHARED}
 
 
 def test_stall_state_counter_once_and_gauge_while_stalled():

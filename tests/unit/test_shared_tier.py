@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from offload_connector.config import ConfigError, OffloadConfig
-from offload_connector.metadata import OffloadMetadata, TierWrite, TransferJob
+from offload_connector.transfer_jobs import SHARED, TierRead, TierStep, TierWrite
 from offload_connector.remote import RemoteFingerprint, RemoteStore
 from offload_connector.scheduler.remote_tier import PRESENT_TTL_STEPS, Fetch, RemoteTierPlanner
 from offload_connector.scheduler.tier_index import TierIndex
@@ -91,7 +91,7 @@ def test_marker_goes_in_only_once_every_worker_wrote_its_shard() -> None:
     keys = [_key(1), _key(2)]
     _store(tier, keys)
     remote.stored(keys, 5)
-    [write] = remote.take_step()
+    [write] = remote.take_step().writes
     assert write.keys == tuple(keys) and all(tier.pin_count(k) == 1 for k in keys)
     remote.write_finished(5, ok=True)
     assert pool == {} and tier.pin_count(keys[0]) == 1  # one shard of two: no marker yet
@@ -102,7 +102,7 @@ def test_marker_goes_in_only_once_every_worker_wrote_its_shard() -> None:
     assert other.present("r", keys + [_key(3)], step=1) == frozenset(keys)
     # Written once: the same blocks stored again are not written again.
     remote.stored(keys, 6)
-    assert remote.take_step() == ()
+    assert remote.take_step().writes == ()
 
 
 def test_a_write_failed_on_one_worker_leaves_no_marker() -> None:
@@ -160,11 +160,10 @@ def test_reset_moves_to_a_new_epoch_and_releases_pinned_slots() -> None:
     pending = [_key(2)]
     _store(tier, pending)
     remote.stored(pending, 2)  # not sent yet
-    remote.clear()
-    remote.set_epoch(1)
+    remote.clear()  # moves to namespace epoch 1
     tier.clear()
     remote.after_tier_clear()
-    assert tier.view().retired == {} and remote.take_step() == ()
+    assert tier.view().retired == {} and remote.take_step() == TierStep(epoch=1)
     assert remote.present("r3", keys, 2) == frozenset()  # what was written before the reset is not seen
 
 
@@ -177,13 +176,13 @@ def test_worker_puts_its_shard_and_fetches_it_back(tmp_path) -> None:
     host[0] = torch.arange(SLOT).remainder(253).to(torch.uint8)
     host[1, : SLOT // 2] = 9
     keys = (_key(1, 0), _key(2, 1))
-    w.apply(OffloadMetadata(step=1, remote_writes=(TierWrite(4, keys, (0, 1)),)))
+    w.apply(TierStep(writes=(TierWrite(4, keys, (0, 1)),)))
     end = time.monotonic() + 10
     done: list[int] = []
     while not done and time.monotonic() < end:
         done = w.finished_writes()[0]
     assert done == [4] and len(pool) == 2
-    [io] = w.read_back(TransferJob(9, "r", ((3,), (4,)), ((5,), (6,)), remote_keys=keys, remote_slots=(5, 6)))
+    [io] = w.read_back(TierRead(SHARED, keys, (5, 6)))
     while not io.done() and time.monotonic() < end:
         time.sleep(0.005)
     assert io.ok and torch.equal(host[5], host[0]) and torch.equal(host[6, : SLOT // 2], host[1, : SLOT // 2])
@@ -192,7 +191,7 @@ def test_worker_puts_its_shard_and_fetches_it_back(tmp_path) -> None:
     # Another rank's shard of the same block is another key: a rank-0 reader misses.
     other = WorkerRemoteTier(DictStore(RemoteFingerprint(**{**shard.__dict__, "tp_rank": 0}), pool), host,
                              [SLOT, SLOT // 2])
-    [miss] = other.read_back(TransferJob(10, "r", ((3,), ()), ((5,), ()), remote_keys=keys[:1], remote_slots=(5,)))
+    [miss] = other.read_back(TierRead(SHARED, keys[:1], (5,)))
     while not miss.done() and time.monotonic() < end:
         time.sleep(0.005)
     assert not miss.ok and "missing or rejected" in miss.error

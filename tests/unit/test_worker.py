@@ -7,6 +7,7 @@ from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCache
 
 from offload_connector.config import OffloadConfig
 from offload_connector.metadata import OffloadMetadata, TransferJob
+from offload_connector.transfer_jobs import DISK, TierRead, TierStep
 from offload_connector.metrics import LOADED_BYTES, STORED_BYTES
 from offload_connector.worker.layout import LayoutError, build_layout
 from offload_connector.worker.side import OffloadWorker
@@ -410,18 +411,18 @@ def test_disk_tier_write_through_and_read_back_into_gpu_blocks(tmp_path):
     worker.start(OffloadMetadata(step=1, stores=(job(1, "a", [(0, 5, 3), (2, 7, 9)]),)))
     worker.transfer_results()
     assert worker.worker_meta().stores_done == [1]
-    worker.start(OffloadMetadata(step=2, disk_writes=(TierWrite(1, keys, (3, 9)),)))
+    worker.start(OffloadMetadata(step=2, tier_steps={DISK: TierStep(writes=(TierWrite(1, keys, (3, 9)),))}))
     deadline = _time.monotonic() + 10
     done: list[int] = []
     while not done and _time.monotonic() < deadline:
         worker.transfer_results()
         meta = worker.worker_meta()
-        done = meta.disk_writes_done if meta is not None else []
+        done = meta.writes_done.get(DISK, []) if meta is not None else []
     assert done == [1]
     # Slots 3 and 9 are reused; the blocks come back from disk into slots 11 and 12, then into GPU blocks 20, 22.
     worker.host_tier.tensor[[3, 9]] = 0
     regions[:, [5, 7]] = 0
-    load = TransferJob(2, "b", ((20,), (), (22,)), ((11,), (), (12,)), disk_keys=keys, disk_slots=(11, 12))
+    load = TransferJob(2, "b", ((20,), (), (22,)), ((11,), (), (12,)), reads=(TierRead(DISK, keys, (11, 12)),))
     worker.start(OffloadMetadata(step=3, loads=(load,)))
     recving: set[str] = set()
     while not recving and _time.monotonic() < deadline:
@@ -437,7 +438,7 @@ def test_disk_tier_write_through_and_read_back_into_gpu_blocks(tmp_path):
 def test_disk_read_back_of_a_missing_key_fails_the_load(tmp_path):
     config, caches, regions = aliased_gemma_like()
     worker = make_worker(config, caches, 16 * 2 * PAGE, disk_path=str(tmp_path), disk_bytes="4Mi")
-    load = TransferJob(1, "b", ((20,), (), ()), ((11,), (), ()), disk_keys=((0, b"never"),), disk_slots=(11,))
+    load = TransferJob(1, "b", ((20,), (), ()), ((11,), (), ()), reads=(TierRead(DISK, ((0, b"never"),), (11,)),))
     before = regions.clone()
     worker.start(OffloadMetadata(step=1, loads=(load,)))
     _, recving, failed = worker.transfer_results()

@@ -254,10 +254,8 @@ class SchedulerDriver(DraftCounts):
                 # The disk and shared tiers' writes too: their planners also wait for every worker's report.
                 n = self.reporters
                 wmeta = OffloadWorkerMetadata(stores_done=wmeta.stores_done * n, stores_failed=wmeta.stores_failed * n,
-                                              disk_writes_done=wmeta.disk_writes_done * n,
-                                              disk_writes_failed=wmeta.disk_writes_failed * n,
-                                              remote_writes_done=wmeta.remote_writes_done * n,
-                                              remote_writes_failed=wmeta.remote_writes_failed * n)
+                                              writes_done={t: j * n for t, j in wmeta.writes_done.items()},
+                                              writes_failed={t: j * n for t, j in wmeta.writes_failed.items()})
             self.worker.take_stats()  # vLLM takes the worker's stats every step; nothing reads them here
             self.delayed_free -= sending
             # Sorted: vLLM frees the blocks of `finished_sending` in iteration order, and a set of str iterates in

@@ -41,6 +41,7 @@ from collections import OrderedDict
 from typing import Any, Hashable, Iterator, Sequence
 
 from offload_connector.remote.base import RemoteFingerprint, RemoteStore
+from offload_connector.transfer_jobs import SHARED
 
 DEFAULT_SHARED_BANDWIDTH_GBPS = 10.0  # GB/s (1e9 bytes) per worker, puts and fetches together
 DEFAULT_SHARED_LATENCY_MS = 0.5  # per batched call (one round trip)
@@ -260,6 +261,8 @@ class SimWorkerRemoteTier:
     """`WorkerRemoteTier`'s methods over a tag-moving CPU tier (`copier.host`: slot -> tag). `store` is the client
     the connector opened (a `SimSharedStore` under this worker's shard fingerprint)."""
 
+    name = SHARED
+
     def __init__(self, store: RemoteStore, copier: Any, timing: RemoteTiming, full_groups: Sequence[int] = (),
                  block_sizes: Sequence[int] = ()) -> None:
         self.store = store
@@ -268,6 +271,7 @@ class SimWorkerRemoteTier:
         self.copier = copier
         self.timing = timing
         self._writes: dict[int, _Call] = {}
+        self._epoch = 0
         self._seen = (0, 0, 0)
         # Tokens whose KV came from the shared tier (fetches that landed): the full-attention groups' blocks.
         self._full_groups = tuple(full_groups)
@@ -280,8 +284,11 @@ class SimWorkerRemoteTier:
         self.put_blocks = 0
         self.put_tag_mismatches = 0  # a slot written under a key whose tag it does not hold (must stay 0)
 
-    def apply(self, meta: Any) -> None:
-        for write in meta.remote_writes:
+    def apply(self, step: Any) -> None:
+        if step.epoch != self._epoch:
+            self.store.set_epoch(step.epoch)
+            self._epoch = step.epoch
+        for write in step.writes:
             keys, slots = list(write.keys), list(write.host_slots)
             tags = [self.copier.host.get(s) for s in slots]  # the slots are pinned until every worker reported
             self.put_tag_mismatches += sum(1 for k, t in zip(keys, tags) if t != k)
@@ -294,8 +301,8 @@ class SimWorkerRemoteTier:
         self.put_blocks += len(keys)
         return ok, None if ok else "shared tier: put refused"
 
-    def read_back(self, job: Any) -> list[_Call]:
-        keys, slots = list(job.remote_keys), list(job.remote_slots)
+    def read_back(self, read: Any) -> list[_Call]:
+        keys, slots = list(read.keys), list(read.slots)
         due = self.timing.schedule(self.timing.nbytes(keys), is_put=False)
         return [_Call(self, due, lambda: self._get(keys, slots))]
 
@@ -336,9 +343,6 @@ class SimWorkerRemoteTier:
     def pending(self) -> int:
         return len(self._writes)
 
-    def set_epoch(self, epoch: int) -> None:
-        self.store.set_epoch(epoch)
-
     def close(self) -> None:
         self.store.close()
 
@@ -347,7 +351,7 @@ def attach_sim_remote(driver: Any, timing: RemoteTiming) -> SimWorkerRemoteTier:
     """Replace the simulated worker's shared-tier client (a real `WorkerRemoteTier` over a `SimSharedStore`, opened
     by `register_kv_caches` under `sim_store_factory`) with a `SimWorkerRemoteTier` over the same store client."""
     worker = driver.worker
-    real = worker.remote
+    real = worker.second_tiers.get(SHARED)
     if real is None:
         raise AssertionError("the simulated worker has no shared tier: build the engine with remote_store set, under "
                              "sim_store_factory")
@@ -358,5 +362,5 @@ def attach_sim_remote(driver: Any, timing: RemoteTiming) -> SimWorkerRemoteTier:
     side = driver.side
     full = [g.index for g in side.groups if not g.recycling]
     sim = SimWorkerRemoteTier(store, driver.engine, timing, full, [g.block_size for g in side.groups])
-    worker.remote = sim
+    worker.second_tiers[SHARED] = sim
     return sim

@@ -21,7 +21,7 @@ until `release`.
 The copier sees per-group (host slot, GPU block) ids, not jobs. Fault injection and holds are decided per job, so the
 driver hands it each step's jobs (`expect`) before the worker issues them: the worker issues a step's stores, then
 its loads, in the metadata's order, and each copy is checked against the job it is taken for. A load that first
-reads blocks back into the CPU tier (disk or shared tier: `disk_keys` / `remote_keys`) is issued later, once they
+reads blocks back into the CPU tier (disk or shared tier: `TransferJob.reads`) is issued later, once they
 are back (the worker's `land_reads`); its copy is matched to it by its (slot, block) pairs then.
 """
 
@@ -189,8 +189,8 @@ class TagCopier(BlockCopier):
         self._step = step
         # A load that reads blocks back from the disk or shared tier first is issued later, when they are all back
         # (the worker's `land_reads`): it is matched by its (slot, block) pairs then.
-        now = [j for j in meta.loads if not (j.disk_keys or j.remote_keys)]
-        self._read_back.extend(j for j in meta.loads if j.disk_keys or j.remote_keys)
+        now = [j for j in meta.loads if not j.reads]
+        self._read_back.extend(j for j in meta.loads if j.reads)
         self._expected = {"d2h": deque(meta.stores), "h2d": deque(now)}
         if meta.store_fences:
             self.fenced += len(set(meta.store_fences))
