@@ -12,12 +12,11 @@ from offload_connector.groups import cdiv
 from offload_connector.keys import BlockKey
 from offload_connector.log import get_logger
 from offload_connector.metadata import TransferJob
-from offload_connector.transfer_jobs import DISK, SHARED, TierRead
+from offload_connector.transfer_jobs import TierRead
 from offload_connector.metrics import OffloadStatsSink
 from offload_connector.scheduler import ledger
-from offload_connector.scheduler.disk_tier import DiskTierPlanner
 from offload_connector.scheduler.fairness import DeferredLoad, FairQueue
-from offload_connector.scheduler.remote_tier import Fetch, RemoteTierPlanner
+from offload_connector.scheduler.second_tier import SecondTierPlanner
 from offload_connector.scheduler.jobs import JobBook
 from offload_connector.scheduler.lookup import full_prefix_tokens, longest_hit
 from offload_connector.scheduler.state import KVBinding, Layout, ReqState, SchedulerCounters
@@ -32,8 +31,9 @@ if TYPE_CHECKING:
 
 logger = get_logger(__name__)
 
-# Where a loaded token came from, nearest tier first (vLLM's CacheHitSource values, less the shared tier's name).
-HIT_SOURCES = ("host", "disk", "shared")
+# Where a loaded token came from when the CPU tier held it (vLLM's CacheHitSource value); a second tier's tokens
+# go under its name ("disk", "shared").
+HOST_SOURCE = "host"
 
 
 @dataclass
@@ -65,10 +65,9 @@ class AdmissionControl:
         self.log: deque[Admission] | None = None
         self._rows_cache: tuple[tuple[int, int, int], list[ledger.LedgerRow]] | None = None
         self._newer_cache: tuple[tuple[int, int, int, str], bool] | None = None
-        # The disk tier (None when off): lookups extend into it, loads read its entries back (scheduler/disk_tier).
-        self.disk: DiskTierPlanner | None = None
-        # The shared tier (None when off): the same, from a store several engines share (scheduler/remote_tier).
-        self.remote: RemoteTierPlanner | None = None
+        # The second tiers, nearest first (the disk tier, then the shared store; `scheduler/second_tier.py`): lookups
+        # extend into them, loads read their blocks back. Set by the scheduler side.
+        self.second_tiers: tuple[SecondTierPlanner, ...] = ()
         # vLLM (0.32 to 0.34) caches a window in the GPU prefix cache at `request.shared_prefix_boundary` (unless its
         # `prefix_cache_retention_interval` is None); set by the scheduler side from the config.
         self.mark_junctions = False
@@ -78,17 +77,18 @@ class AdmissionControl:
 
     # ------------------------------------------------------------------ lookup
     def available(self, key: BlockKey) -> bool:
-        """A key a load can copy from a tier of this host: a ready CPU-tier entry, or a disk-tier entry to read back
-        first."""
-        return self.tier.is_ready(key) or (self.disk is not None and self.disk.readable(key))
+        """A key a load can copy from a tier of this host: a ready CPU-tier entry, or an entry of a local second tier
+        (the disk tier) to read back first."""
+        return self.tier.is_ready(key) or any(t.readable(key) for t in self.second_tiers if t.local)
 
     def _ready_fn(self, request: Request, upper: int, step: int) -> Callable[[BlockKey], bool]:
-        """`available`, plus the blocks the shared tier holds when it is on (`RemoteTierPlanner.ready_fn`)."""
-        if self.remote is None:
-            return self.available if self.disk is not None else self.tier.is_ready
-        return self.remote.ready_fn(request.request_id, self.layout.keys(request), self.layout.groups,
-                                    self.layout.alignment, self.config.window_checkpoint_tokens, self.available,
-                                    upper, step)
+        """The CPU tier's ready entries, extended by each second tier in turn with the blocks it holds (a remote one
+        asks its store once per request and step for the blocks this lookup can use)."""
+        ready: Callable[[BlockKey], bool] = self.tier.is_ready
+        for second in self.second_tiers:
+            ready = second.extend_ready(ready, request.request_id, self.layout.keys(request), self.layout.groups,
+                                        self.layout.alignment, self.config.window_checkpoint_tokens, upper, step)
+        return ready
 
     def hit(self, request: Request, upper: int, local: int = 0, step: int = 0) -> int:
         """The longest prefix up to `upper` tokens every group can restore from the tiers. Notes a shared-prefix end
@@ -102,7 +102,7 @@ class AdmissionControl:
         is_ready = self._ready_fn(request, upper, step)
         full = full_prefix_tokens(layout.groups, keys, is_ready, upper)
         hit = longest_hit(layout.groups, keys, is_ready, upper, layout.alignment, full_tokens=full)
-        if (self.disk is not None or self.remote is not None) and hit > local:
+        if self.second_tiers and hit > local:
             load = self.load_keys(request, local, hit)
             # Room for every block of the load, not only the read-backs: its CPU-tier entries are pinned first and
             # may be the very entries has_room counts as evictable.
@@ -416,7 +416,7 @@ class AdmissionControl:
             load_ends.append((i + 1) * self.layout.groups[gi].block_size)
         groups_, gpu, keylist, indices = in_prefix_order(load_ends, groups_, gpu, keylist, indices)
         state.hit_sources = self._hit_sources(groups_, indices, keylist, local, hit)
-        if self.disk is None and self.remote is None:
+        if not self.second_tiers:
             slots = self.tier.pin(keylist)
             self.tier.touch(keylist)
             job = TransferJob.from_columns(self.jobs.new_job_id(), rid, len(self.layout.groups), groups_, gpu, slots)
@@ -441,19 +441,27 @@ class AdmissionControl:
         anything): a token counts for the farthest tier among the loaded blocks that cover it; a token no loaded
         block covers (below every window of a layout without full attention) for the farthest tier of the load.
         Interval unions, not a walk over tokens: a million-token load has a few hundred thousand blocks."""
-        spans: list[list[tuple[int, int]]] = [[], [], []]  # per tier (host, disk, shared): the token spans covered
+        names = (HOST_SOURCE, *(t.name for t in self.second_tiers))
+        spans: list[list[tuple[int, int]]] = [[] for _ in names]  # per tier, nearest first: the token spans covered
         for gi, i, key in zip(groups_, indices, keylist):
             bs = self.layout.groups[gi].block_size
             lo, hi = max(local, i * bs), min(hit, (i + 1) * bs)
             if lo < hi:
-                r = 0 if self.tier.is_ready(key) else 1 if self.disk is not None and self.disk.readable(key) else 2
-                spans[r].append((lo, hi))
+                # (a block no tier can read counts for the farthest: the lookup that found it saw it there)
+                spans[min(self._source(key), len(names) - 1)].append((lo, hi))
         # Tokens whose farthest tier is at least r: the union of the spans of tiers r and beyond.
-        at_least = [_covered(spans[0] + spans[1] + spans[2]), _covered(spans[1] + spans[2]), _covered(spans[2])]
-        counts = [at_least[0] - at_least[1], at_least[1] - at_least[2], at_least[2]]
-        farthest = max((r for r in range(3) if spans[r]), default=0)
+        at_least = [_covered([s for tier in spans[r:] for s in tier]) for r in range(len(names))] + [0]
+        counts = [at_least[r] - at_least[r + 1] for r in range(len(names))]
+        farthest = max((r for r in range(len(names)) if spans[r]), default=0)
         counts[farthest] += (hit - local) - at_least[0]
-        return {name: n for name, n in zip(HIT_SOURCES, counts) if n}
+        return {name: n for name, n in zip(names, counts) if n}
+
+    def _source(self, key: BlockKey) -> int:
+        """0 for a ready CPU-tier entry, else 1 + the index of the nearest second tier that can read it back, and
+        1 + the number of second tiers when none can."""
+        if self.tier.is_ready(key):
+            return 0
+        return next((1 + r for r, t in enumerate(self.second_tiers) if t.can_read(key)), 1 + len(self.second_tiers))
 
     def _start_load_with_read_backs(self, request: Request, groups_: list[int], gpu: list[int], keylist: list[BlockKey],
                               indices: list[int], tokens: int) -> None:
@@ -461,16 +469,19 @@ class AdmissionControl:
         (reserved like a store's, published when the load lands) and the worker reads them into those slots first."""
         rid = request.request_id
         in_memory = [k for k in keylist if self.tier.is_ready(k)]
-        on_disk = [k for k in keylist if not self.tier.is_ready(k) and self.disk is not None and self.disk.readable(k)]
-        from_disk = set(on_disk)
-        remote = [k for k in keylist if not self.tier.is_ready(k) and k not in from_disk]
+        by_tier: list[list[BlockKey]] = [[] for _ in self.second_tiers]
+        unreadable = []
+        for k in keylist:
+            if not self.tier.is_ready(k):
+                r = self._source(k) - 1
+                (by_tier[r] if r < len(self.second_tiers) else unreadable).append(k)
         slot_of = dict(zip(in_memory, self.tier.pin(in_memory)))
         self.tier.touch(in_memory)
-        promoted = on_disk + remote
+        promoted = [k for keys in by_tier for k in keys] + unreadable
         reserved = self.tier.begin_store(promoted)
         slot_of.update(reserved)
         n_groups = len(self.layout.groups)
-        if len(reserved) < len(promoted) or (remote and self.remote is None):
+        if len(reserved) < len(promoted) or unreadable:
             # `hit` checked the room in this same scheduler call, so only a custom eviction policy that refuses
             # victims gets here: fail the load (vLLM recomputes the prefix) instead of copying a partial one.
             self.tier.finish_store([k for k, _ in reserved], ok=False)
@@ -479,14 +490,8 @@ class AdmissionControl:
                                            fail_reason="no CPU-tier slot free for a read-back")
             self.jobs.add_load(job, [], tokens)
             return
-        after: list[tuple[Callable[..., None], object]] = []  # (the tier's finish hook, its read-back handle)
-        if on_disk:
-            assert self.disk is not None
-            after.append((self.disk.read_finished, self.disk.pin_for_read(on_disk)))
-        if remote:
-            assert self.remote is not None
-            after.append((self.remote.fetch_finished, Fetch(list(remote))))
-            self.remote.forget(rid)
+        # (each tier's finish hook, its read-back handle)
+        after = [t.start_read(rid, keys) for t, keys in zip(self.second_tiers, by_tier) if keys]
         events = None
         if promoted and self.jobs.events.enabled:
             fresh = set(promoted)
@@ -495,8 +500,8 @@ class AdmissionControl:
                 self.layout.keys(request))
         job = TransferJob.from_columns(self.jobs.new_job_id(), rid, n_groups, groups_, gpu,
                                        [slot_of[k] for k in keylist],
-                                       reads=tuple(TierRead(name, tuple(keys), tuple(slot_of[k] for k in keys))
-                                                   for name, keys in ((DISK, on_disk), (SHARED, remote)) if keys))
+                                       reads=tuple(TierRead(t.name, tuple(keys), tuple(slot_of[k] for k in keys))
+                                                   for t, keys in zip(self.second_tiers, by_tier) if keys))
         self.jobs.add_load(job, keylist, tokens, promoted=promoted, read_back=after, events=events)
 
     def _kv(self) -> KVBinding:

@@ -22,6 +22,7 @@ from offload_connector.disk.placement import disk_slots
 from offload_connector.scheduler.disk_tier import DiskTierPlanner, dp_rank_of
 from offload_connector.scheduler.write_through import max_writing_blocks
 from offload_connector.scheduler.events import TierEvents, events_enabled
+from offload_connector.scheduler.second_tier import SecondTierPlanner
 from offload_connector.scheduler.remote_tier import RemoteTierPlanner, open_marker_store
 from offload_connector.scheduler.fairness import FairQueue
 from offload_connector.scheduler.jobs import JobBook
@@ -96,16 +97,14 @@ class OffloadScheduler:
             self.disk.recover(config.disk_path, dp_rank_of(vllm_config), pc.pipeline_parallel_size,
                               pc.tensor_parallel_size)
             self.jobs.on_stored.append(self.disk.stored)
-            self.admission.disk = self.disk
         self.remote: RemoteTierPlanner | None = None
         if config.remote_store is not None:
             markers = open_marker_store(config, vllm_config, kv_cache_config, self.groups)
             self.remote = RemoteTierPlanner(markers, self.tier, self.reporters, max_writing_blocks(capacity))
             self.jobs.on_stored.append(self.remote.stored)
-            self.admission.remote = self.remote
         # The second tiers in read order (disk before the shared store), each by its name in the step messages.
-        self.second_tiers: dict[str, DiskTierPlanner | RemoteTierPlanner] = {
-            t.name: t for t in (self.disk, self.remote) if t is not None}
+        self.second_tiers: dict[str, SecondTierPlanner] = {t.name: t for t in (self.disk, self.remote) if t is not None}
+        self.admission.second_tiers = tuple(self.second_tiers.values())
         self.resets = 0
         # Until the first step, ask vLLM for one (has_pending_work): its stats carry the tier's capacity to
         # /metrics right after start-up instead of after the first request.

@@ -20,7 +20,7 @@ worker's tier never has to evict on its own). A key is readable once every worke
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Sequence
+from typing import TYPE_CHECKING, Callable, Sequence
 
 from offload_connector.disk.format import DiskFormatError
 from offload_connector.disk.index import DiskEntry, DiskIndex, scan_directory
@@ -61,6 +61,7 @@ class ReadBack:
 
 class DiskTierPlanner:
     name = DISK
+    local = True
 
     def __init__(self, tier: TierIndex, num_slots: int, reporters: int, max_writing: int) -> None:
         self.tier = tier
@@ -112,6 +113,16 @@ class DiskTierPlanner:
         """On disk and readable back: every worker wrote it and the CPU tier has no entry for it (ready entries are
         read from memory; entries being stored or read back are not available yet)."""
         return self.catalog.contains(key) and not self.tier.has(key)
+
+    def extend_ready(self, ready: Callable[[Key], bool], request_id: str, keys: object, groups: object,
+                     alignment: int, spacing: int, upper: int, step: int) -> Callable[[Key], bool]:
+        return lambda key: ready(key) or self.readable(key)
+
+    def can_read(self, key: Key) -> bool:
+        return self.readable(key)
+
+    def start_read(self, request_id: str, keys: list[Key]) -> tuple[Callable[..., None], ReadBack]:
+        return self.read_finished, self.pin_for_read(keys)
 
     def pin_for_read(self, keys: Sequence[Key]) -> ReadBack:
         back = ReadBack()

@@ -66,6 +66,7 @@ class Fetch:
 
 class RemoteTierPlanner:
     name = SHARED
+    local = False
 
     def __init__(self, markers: RemoteStore, tier: TierIndex, reporters: int, max_writing: int) -> None:
         self.markers = markers  # a RemoteStore under the engine-independent marker fingerprint
@@ -118,6 +119,23 @@ class RemoteTierPlanner:
         if not found:
             return available
         return lambda key: available(key) or key in found
+
+    def extend_ready(self, ready: Callable[[Key], bool], request_id: str, keys: BlockKeys,
+                     groups: Sequence[GroupInfo], alignment: int, spacing: int, upper: int,
+                     step: int) -> Callable[[Key], bool]:
+        return self.ready_fn(request_id, keys, groups, alignment, spacing, ready, upper, step)
+
+    def readable(self, key: Key) -> bool:
+        """Not asked outside a lookup (`local` is False): a marker query is a network round trip."""
+        raise NotImplementedError("the shared tier answers per lookup (extend_ready), not per key")
+
+    def can_read(self, key: Key) -> bool:
+        """Every block the nearer tiers lack: the lookup found it here (one gone since fails the load's fetch)."""
+        return True
+
+    def start_read(self, request_id: str, keys: list[Key]) -> tuple[Callable[..., None], Fetch]:
+        self.forget(request_id)
+        return self.fetch_finished, Fetch(list(keys))
 
     def forget(self, request_id: str) -> None:
         """Drop `request_id`'s cached answers (its load was issued, or it finished)."""

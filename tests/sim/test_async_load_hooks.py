@@ -93,7 +93,9 @@ def test_hit_sources_split_a_load_by_the_farthest_tier_covering_each_token() -> 
     tiers = {"h": (True, False), "d": (False, True), "s": (False, False)}
     me = SimpleNamespace(layout=SimpleNamespace(groups=groups),
                          tier=SimpleNamespace(is_ready=lambda k: tiers[k[0]][0]),
-                         disk=SimpleNamespace(readable=lambda k: tiers[k[0]][1]))
+                         second_tiers=(SimpleNamespace(name="disk", can_read=lambda k: tiers[k[0]][1]),
+                                       SimpleNamespace(name="shared", can_read=lambda k: True)))
+    me._source = lambda key: AdmissionControl._source(me, key)
     # Tokens 32..96: full blocks 2..5 (host, host, disk, host); window block 2 (64..96) from the shared tier.
     groups_ = [0, 0, 0, 0, 1]
     indices = [2, 3, 4, 5, 2]
