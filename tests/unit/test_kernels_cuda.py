@@ -158,9 +158,15 @@ def test_import_needs_no_gpu_cupy_or_driver():
             "m.startswith('vllm.v1.core.sched')]; assert not sched, sched; "
             "from offload_connector.kernels import cuda_driver as d; "
             "assert d.batch_memcpy.cache_info().currsize == 0; print('ok')")
+    _prints_ok_in_a_fresh_interpreter(code)
+
+
+def _prints_ok_in_a_fresh_interpreter(code: str, *first_on_path: Path) -> None:
+    """Runs `code` in a new Python with no GPU visible and only this checkout (after `first_on_path`) on its path."""
     root = Path(__file__).resolve().parents[2]
+    path = ":".join(str(p) for p in (*first_on_path, root))
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root,
-                         env={"PYTHONPATH": str(root), "CUDA_VISIBLE_DEVICES": "", "PATH": "/usr/bin:/bin"})
+                         env={"PYTHONPATH": path, "CUDA_VISIBLE_DEVICES": "", "PATH": "/usr/bin:/bin"})
     assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
 
 
@@ -175,10 +181,7 @@ def test_gpu_check_modules_import_without_vllm(tmp_path):
             "from offload_connector.worker.transfers import TransferEngine; "
             "from offload_connector.worker.checksum import SlotChecksums; "
             "TransferJob(1, 'a', ((3, 4),), ((0, 1),)); assert 'vllm' not in sys.modules; print('ok')")
-    root = Path(__file__).resolve().parents[2]
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, cwd=root,
-                         env={"PYTHONPATH": f"{tmp_path}:{root}", "CUDA_VISIBLE_DEVICES": "", "PATH": "/usr/bin:/bin"})
-    assert out.returncode == 0 and out.stdout.strip() == "ok", out.stderr
+    _prints_ok_in_a_fresh_interpreter(code, tmp_path)
 
 
 def _cpu_layout():
@@ -340,16 +343,20 @@ def test_gpu_auto_is_directional_and_round_trips():
     dev, host, segs, tiers = _gpu_layout(42)
     copier = make_copier("auto", dev, host, segs, device=dev[0].device)
     assert isinstance(copier, DirectionalCopier)
+    assert _round_trips(copier, dev, segs)
+    for tier in tiers:
+        tier.close()
+
+
+def _round_trips(copier, dev, segs) -> bool:
+    """Pages 0-4 of every tensor out to host slots 0-4 and back into device rows 3-7: equal to what they were."""
     original = [d.clone() for d in dev]
-    ids = [(np.arange(5), np.arange(5) + 3)] * 3
+    ids = [(np.arange(5), np.arange(5) + 3)] * len(segs)
     copier.copy("d2h", ids).wait()
     for d in dev:
         d.zero_()
     copier.copy("h2d", ids).wait()
-    for d, o in zip(dev, original):
-        assert torch.equal(d[3:8], o[3:8])
-    for tier in tiers:
-        tier.close()
+    return all(torch.equal(d[3:8], o[3:8]) for d, o in zip(dev, original))
 
 
 @gpu
@@ -364,13 +371,7 @@ def test_gpu_auto_comes_up_on_a_nearly_full_device():
     hog = torch.empty(max(free - (48 << 20), 0), dtype=torch.uint8, device=dev[0].device)
     try:
         copier = make_copier("auto", dev, host, segs, device=dev[0].device)
-        original = [d.clone() for d in dev]
-        ids = [(np.arange(5), np.arange(5) + 3)] * 3
-        copier.copy("d2h", ids).wait()
-        for d in dev:
-            d.zero_()
-        copier.copy("h2d", ids).wait()
-        assert all(torch.equal(d[3:8], o[3:8]) for d, o in zip(dev, original))
+        assert _round_trips(copier, dev, segs)
         copier.close()
     finally:
         del hog
