@@ -13,8 +13,9 @@ from fractions import Fraction
 from typing import TYPE_CHECKING, Any, Mapping
 
 from offload_connector.backends import BACKEND_CHOICES
-from offload_connector.policies import EVICTION_POLICIES as _POLICY_REGISTRY, check_policy_spec
 from offload_connector.disk.format import FILE_NAME as DISK_FILE_NAME
+from offload_connector.errors import ConfigError
+from offload_connector.policies import EVICTION_POLICIES as _POLICY_REGISTRY, check_policy_spec
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -25,10 +26,6 @@ LOAD_COMPLETIONS = ("ordered", "landed")
 # Worker copy backends (offload_connector.kernels): "auto" calibrates on CUDA and uses the torch reference on CPU.
 TRANSFER_BACKENDS = BACKEND_CHOICES
 EVICTION_POLICIES = tuple(_POLICY_REGISTRY)  # or "module.path:ClassName" (offload_connector/policies.py)
-
-
-class ConfigError(ValueError):
-    """A `kv_connector_extra_config` value the connector cannot run with."""
 
 
 @dataclass(frozen=True)

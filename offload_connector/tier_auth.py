@@ -7,6 +7,8 @@ from __future__ import annotations
 import hashlib
 import os
 
+from offload_connector.errors import ConfigError
+
 MIN_SECRET_BYTES = 16
 MAX_SECRET_FILE_BYTES = 1 << 16
 
@@ -14,7 +16,6 @@ MAX_SECRET_FILE_BYTES = 1 << 16
 def read_secret(path: str, key: str) -> bytes:
     """The file's bytes, surrounding whitespace stripped (a trailing newline from `echo` or an editor is not part of
     the secret). One ConfigError naming `key` when it cannot be used."""
-    from offload_connector.config import ConfigError
     try:
         if not os.path.isfile(path):
             raise ConfigError(f"kv_connector_extra_config: '{key}' {path!r} is not a regular file")

@@ -9,3 +9,5 @@ router, with private CPU tiers and with the shared tier: `replay --engines 2`).
 
 # The connectors a replay can compare (see connectors.py); here so the command line can list them without vLLM.
 CONNECTORS = ("offload", "offload-vllm-reservation", "vllm-offloading", "vllm-offloading-patched", "none")
+# Engines behind the router (`replay --engines`, router.py); here for the same reason.
+MAX_ENGINES = 8

@@ -26,7 +26,7 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
-from offload_bench.replay import CONNECTORS
+from offload_bench.replay import CONNECTORS, MAX_ENGINES
 
 
 @dataclass(frozen=True)
@@ -89,7 +89,6 @@ TIME_SCALE = (1e-6, 1e4)  # arrivals stay within ~10^12 simulated seconds, where
 BANDWIDTH_GBPS = (0.01, 1e5)
 STEP_OVERHEAD_MS = (1e-3, 1e5)
 TOKEN_US = (1e-3, 1e6)  # --prefill-token-us, --decode-request-us
-MAX_ENGINES = 8  # --engines: engines behind the router (replay/router.py)
 SHARED_LATENCY_MS = (0.0, 1e4)  # --shared-latency-ms
 OFFLOAD_CONFIG_MAX_NUMBER = 10**9  # any number in --offload-config (steps, tokens, seconds)
 MAX_CONFIG_JSON_BYTES = 16 * 2**20  # a custom --model's config.json

@@ -26,7 +26,7 @@ import time
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any, Callable, Sequence
 
-from offload_bench.replay.command import MAX_ENGINES
+from offload_bench.replay import MAX_ENGINES
 from offload_bench.replay.connectors import EngineSettings, ReplayEngine
 from offload_bench.replay.metrics import ConnectorResult, Recorder
 from offload_bench.replay.runner import RunOutput, phase_marks, record_phase, result_from_summary, select
