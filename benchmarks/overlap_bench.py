@@ -43,8 +43,22 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     return a
 
 
-def _events(device: torch.device) -> tuple[Any, Any]:
-    return torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+def _queue(calls: int, fn: Callable[[], Any], stream: Any) -> Callable[[], float]:
+    """Queue `calls` calls of `fn` on `stream` without waiting; returns a function that waits for them and gives the
+    seconds they took (CUDA events on the stream; on CPU, `stream` None, they run now and wall time is kept)."""
+    if stream is None:
+        t0 = time.perf_counter()
+        for _ in range(calls):
+            fn()
+        dt = time.perf_counter() - t0
+        return lambda: dt
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    with torch.cuda.stream(stream):
+        start.record(stream)
+        for _ in range(calls):
+            fn()
+        end.record(stream)
+    return lambda: (end.synchronize(), start.elapsed_time(end) / 1e3)[1]
 
 
 class Work:
@@ -52,25 +66,12 @@ class Work:
 
     def __init__(self, name: str, fn: Callable[[], Any], units: float, unit: str, reps: int,
                  device: torch.device) -> None:
-        self.name, self.fn, self.units, self.unit, self.reps, self.device = name, fn, units, unit, reps, device
-        self.cuda = device.type == "cuda"
-        self.stream = torch.cuda.Stream(device) if self.cuda else None
+        self.name, self.fn, self.units, self.unit, self.reps = name, fn, units, unit, reps
+        self.stream = torch.cuda.Stream(device) if device.type == "cuda" else None
 
     def submit(self) -> Callable[[], float]:
         """Queue reps calls; returns a function that waits and gives the seconds they took."""
-        if not self.cuda:
-            t0 = time.perf_counter()
-            for _ in range(self.reps):
-                self.fn()
-            dt = time.perf_counter() - t0
-            return lambda: dt
-        start, end = _events(self.device)
-        with torch.cuda.stream(self.stream):
-            start.record(self.stream)
-            for _ in range(self.reps):
-                self.fn()
-            end.record(self.stream)
-        return lambda: (end.synchronize(), start.elapsed_time(end) / 1e3)[1]
+        return _queue(self.reps, self.fn, self.stream)
 
     def rate(self, seconds: float) -> float:
         return self.units * self.reps / seconds
@@ -128,18 +129,10 @@ def main(argv: list[str] | None = None) -> int:
     copy_stream = torch.cuda.Stream(device) if not smoke else None
 
     def copies(copier: Any, direction: str) -> Callable[[], float]:
-        if smoke:
-            t0 = time.perf_counter()
-            for _ in range(args.copies):
-                copier.copy(direction, ids, None).wait()
-            dt = time.perf_counter() - t0
-            return lambda: dt
-        start, end = _events(device)
-        start.record(copy_stream)
-        for _ in range(args.copies):
-            copier.copy(direction, ids, copy_stream)
-        end.record(copy_stream)
-        return lambda: (end.synchronize(), start.elapsed_time(end) / 1e3)[1]
+        # On CPU each copy runs to its end here; on a GPU they are queued on the copy stream, back to back.
+        call = (lambda: copier.copy(direction, ids, None).wait()) if smoke else \
+            (lambda: copier.copy(direction, ids, copy_stream))
+        return _queue(args.copies, call, copy_stream)
 
     def landed(direction: str) -> bool:
         """Every copied page equals its source (the last call's; every call of a window copies the same ids)."""

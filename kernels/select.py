@@ -176,7 +176,6 @@ def calibrate(device_pages: Sequence[torch.Tensor], segments: Sequence[Sequence[
             dev = [torch.randint(0, 256, (2 * blocks, p), dtype=torch.uint8, device=device) for p in pages]
             break
         except torch.OutOfMemoryError:
-            dev = []
             if blocks <= MIN_CALIBRATION_BLOCKS:
                 logger.warning("offload_connector: no device memory for the copy backend calibration (%d bytes); "
                                "using %r without calibrating", 2 * blocks * sum(pages), UNCALIBRATED)

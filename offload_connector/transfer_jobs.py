@@ -61,10 +61,6 @@ class TransferJob:
         if len({r.tier for r in self.reads}) != len(self.reads):
             raise ValueError("a transfer job holds at most one read per second tier")
 
-    def read_of(self, tier: str) -> TierRead | None:
-        """This job's read from `tier`, if any."""
-        return next((r for r in self.reads if r.tier == tier and r.keys), None)
-
     # `extra` is Any: the optional fields above (reads, fail_reason), each of its own type, for the constructor.
     @classmethod
     def from_columns(cls, job_id: int, request_id: str, num_groups: int, groups: Sequence[int],

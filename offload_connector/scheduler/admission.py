@@ -79,7 +79,7 @@ class AdmissionControl:
     def available(self, key: BlockKey) -> bool:
         """A key a load can copy from a tier of this host: a ready CPU-tier entry, or an entry of a local second tier
         (the disk tier) to read back first."""
-        return self.tier.is_ready(key) or any(t.readable(key) for t in self.second_tiers if t.local)
+        return self.tier.is_ready(key) or any(t.can_read(key) for t in self.second_tiers if t.local)
 
     def _ready_fn(self, request: Request, upper: int, step: int) -> Callable[[BlockKey], bool]:
         """The CPU tier's ready entries, extended by each second tier in turn with the blocks it holds (a remote one
@@ -468,13 +468,11 @@ class AdmissionControl:
         """Issue a load whose keys may be partly in a second tier (disk, shared): those get fresh CPU-tier entries
         (reserved like a store's, published when the load lands) and the worker reads them into those slots first."""
         rid = request.request_id
-        in_memory = [k for k in keylist if self.tier.is_ready(k)]
-        by_tier: list[list[BlockKey]] = [[] for _ in self.second_tiers]
-        unreadable = []
+        # Each key once, by where it comes from: the CPU tier, a second tier (nearest first), or none.
+        by_source: list[list[BlockKey]] = [[] for _ in range(len(self.second_tiers) + 2)]
         for k in keylist:
-            if not self.tier.is_ready(k):
-                r = self._source(k) - 1
-                (by_tier[r] if r < len(self.second_tiers) else unreadable).append(k)
+            by_source[self._source(k)].append(k)
+        in_memory, by_tier, unreadable = by_source[0], by_source[1:-1], by_source[-1]
         slot_of = dict(zip(in_memory, self.tier.pin(in_memory)))
         self.tier.touch(in_memory)
         promoted = [k for keys in by_tier for k in keys] + unreadable

@@ -125,10 +125,6 @@ class RemoteTierPlanner:
                      step: int) -> Callable[[Key], bool]:
         return self.ready_fn(request_id, keys, groups, alignment, spacing, ready, upper, step)
 
-    def readable(self, key: Key) -> bool:
-        """Not asked outside a lookup (`local` is False): a marker query is a network round trip."""
-        raise NotImplementedError("the shared tier answers per lookup (extend_ready), not per key")
-
     def can_read(self, key: Key) -> bool:
         """Every block the nearer tiers lack: the lookup found it here (one gone since fails the load's fetch)."""
         return True

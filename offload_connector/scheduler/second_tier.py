@@ -25,16 +25,13 @@ class SecondTierPlanner(Protocol):
     local: bool  # its lookups are in-process (a side-effect-free probe may use them), not a network round trip
 
     # -- lookup and read-back
-    def readable(self, key: BlockKey) -> bool:
-        """Held here and readable back now (only asked of a `local` tier outside a lookup)."""
-
     def extend_ready(self, ready: Ready, request_id: str, keys: BlockKeys, groups: Sequence[GroupInfo],
                      alignment: int, spacing: int, upper: int, step: int) -> Ready:
         """`ready` plus the blocks this tier holds, for one request's lookup up to `upper` tokens."""
 
     def can_read(self, key: BlockKey) -> bool:
-        """At a load's issue, after the lookup that found it: whether this tier reads `key` back (the nearest tier
-        that can, reads it)."""
+        """Whether this tier reads `key` back: at a load's issue, after the lookup that found it (the nearest tier
+        that can, reads it); and, for a `local` tier only, in a side-effect-free probe outside any lookup."""
 
     def start_read(self, request_id: str, keys: list[BlockKey]) -> tuple[Callable[..., None], object]:
         """A load reads `keys` back from this tier: (the hook `JobBook.finish_load` calls as hook(handle, ok,

@@ -237,7 +237,7 @@ def test_worker_writes_then_reads_back_the_same_bytes(tmp_path) -> None:
     _until(lambda: done.extend(w.finished_writes()[0]) or done)
     assert done == [5]
     job = TransferJob(9, "r", ((3, 4), ()), ((2, 3), ()), reads=(TierRead(DISK, keys, (2, 3)),))
-    ios = w.read_back(job.read_of(DISK))
+    ios = w.read_back(job.reads[0])
     _until(lambda: all(io.done() for io in ios))
     assert [io.ok for io in ios] == [True, True]
     assert torch.equal(host[2], host[0]) and torch.equal(host[3, : SLOT // 2], host[1, : SLOT // 2])
