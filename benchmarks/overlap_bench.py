@@ -30,6 +30,7 @@ from offload_connector.kernels import allocate_host_tier, make_copier
 from offload_connector.kernels.select import calibrate
 
 KIB = 1024
+MAX_COPIES = 1000  # calls per overlapped window: 1,000 Gemma-shaped calls are about 40 s of copying on an H200
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -38,8 +39,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--cpu-smoke", action="store_true", help="tiny sizes on CPU: checks the code path only")
     p.add_argument("--copies", type=int, default=12, help="copy calls per overlapped window (default 12)")
     a = p.parse_args(argv)
-    if a.copies < 1:
-        p.error(f"--copies must be at least 1, got {a.copies}")
+    if not 1 <= a.copies <= MAX_COPIES:
+        p.error(f"--copies must be 1 to {MAX_COPIES}, got {a.copies}")
     return a
 
 
@@ -80,7 +81,11 @@ class Work:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        print(f"overlap_bench.py: --out {args.out}: cannot make the directory ({exc.strerror})", file=sys.stderr)
+        return 2
     smoke = args.cpu_smoke
     if not smoke and not torch.cuda.is_available():
         print("overlap_bench.py: no CUDA device (use --cpu-smoke for a dry run)", file=sys.stderr)

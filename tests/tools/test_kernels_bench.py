@@ -117,6 +117,14 @@ def test_overlap_bench_cpu_smoke_verifies_and_catches_a_wrong_copy(tmp_path, mon
         def close(self):
             pass
 
+    # Bad arguments: one line, exit 2 (argparse for the numbers; a file where the directory should be).
+    for bad in (["--copies", "0"], ["--copies", "1001"], ["--copies", "x"]):
+        with pytest.raises(SystemExit) as exit_:
+            ob.parse_args(["--out", str(tmp_path), *bad])
+        assert exit_.value.code == 2
+    (tmp_path / "a-file").write_text("")
+    assert ob.main(["--out", str(tmp_path / "a-file"), "--cpu-smoke"]) == 2
+
     monkeypatch.setattr(ob, "make_copier", lambda *a, **k: CopiesNothing())
     assert ob.main(["--out", str(tmp_path / "bad"), "--cpu-smoke", "--copies", "1"]) == 1
     res = json.loads((tmp_path / "bad" / "results.json").read_text())
