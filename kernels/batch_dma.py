@@ -4,6 +4,8 @@ The same driver call vLLM 0.33's `swap_blocks_batch` makes. Stores (d2h) read li
 stream order; loads (h2d) read host pages, which are stable only if no store into the same slot is still queued, so
 stream order is the default there too and `h2d_any_order=True` (vLLM's choice) is an opt-in for callers that
 guarantee it. The driver consumes the descriptor arrays before returning, so they need not outlive the call.
+`cuMemcpyBatchAsync` rejects the legacy default stream (CUresult 1, seen on an H200 when "auto" handed a default-stream
+caller this backend): a call on it runs on a private stream fenced on both sides, so it keeps stream order.
 """
 from __future__ import annotations
 
@@ -33,12 +35,19 @@ class BatchCopier(BlockCopier):
                        "d2h": drv.CUmemcpyAttributes(srcAccessOrder=drv.SRC_ACCESS_ORDER_STREAM)}
         if h2d_any_order:
             self.name = "batch_any"
+        self._side: torch.cuda.Stream | None = None
 
     def _copy(self, direction: str, ids: list[tuple[np.ndarray, np.ndarray] | None],
               stream: "torch.cuda.Stream | None") -> Completion:
-        stream = stream if stream is not None else torch.cuda.current_stream(self.device)
+        caller = stream if stream is not None else torch.cuda.current_stream(self.device)
+        stream = caller
         dsts, srcs, sizes = page_descriptors(direction, ids, self.device_pages, self.host_pages, self.segments)
         with torch.cuda.device(self.device):
+            if caller.cuda_stream == 0:
+                if self._side is None:
+                    self._side = torch.cuda.Stream(self.device)
+                stream = self._side
+                stream.wait_stream(caller)
             if dsts.size:
                 attrs_idx = ctypes.c_size_t(0)  # one attribute set, applying from descriptor 0 on
                 fail_idx = ctypes.c_size_t(0)
@@ -50,4 +59,6 @@ class BatchCopier(BlockCopier):
                                           f"{res}, failing descriptor {fail_idx.value}")
             event = torch.cuda.Event()
             event.record(stream)
+            if stream is not caller:
+                caller.wait_event(event)
         return Completion(event)

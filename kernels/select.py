@@ -2,8 +2,11 @@
 
 "auto" on a CPU device is the compiled host path (`host_copy.py`), or the reference path when no C compiler is
 there. On CUDA it runs a short calibration on scratch buffers shaped like the real layout (never on the caller's
-pages, which may already hold data), per direction, and keeps the fastest backend; the DMA backend wins ties
-within 5 % because it leaves the SMs to the forward pass.
+pages, which may already hold data), per direction, and keeps the fastest backend, except that the DMA backend
+(copy engines, no SMs) is kept unless an SM backend is faster by more than `SM_MARGIN` for that direction: copies run
+beside the forward pass, and on an H200 (docs/results/2026-12-04-first-gpu-run.md) the SM kernel took 10 % of a
+matmul's throughput while it loaded and 40 % while it stored, the DMA backend 2 %. Stores are never on a request's
+critical path, so they need the larger margin; a load is (its request waits), so a clearly faster kernel still wins.
 `OFFLOAD_CONNECTOR_COPY_BACKEND` forces a choice for "auto": one backend name, or "h2d=kernel,d2h=batch".
 """
 from __future__ import annotations
@@ -26,7 +29,7 @@ logger = get_logger("offload_connector.kernels")
 
 BACKENDS: tuple[str, ...] = BACKEND_CHOICES
 ENV_FORCE = "OFFLOAD_CONNECTOR_COPY_BACKEND"
-TIE_MARGIN = 0.05
+SM_MARGIN: dict[str, float] = {"h2d": 0.25, "d2h": 1.0}  # SM kernel must be 1.25x / 2x faster than DMA
 MIN_CALIBRATION_BLOCKS = 8
 UNCALIBRATED = "batch"  # the backend when no calibration scratch fits on the device
 
@@ -219,7 +222,7 @@ def calibrate(device_pages: Sequence[torch.Tensor], segments: Sequence[Sequence[
     finally:
         for t in tiers:
             t.close()
-    choice = {d: pick_fastest(times[d]) for d in DIRECTIONS}
+    choice = {d: pick_fastest(times[d], margin=SM_MARGIN[d]) for d in DIRECTIONS}
     logger.info("offload_connector: copy backend calibration %s -> %s", times, choice)
     return choice
 
@@ -232,8 +235,8 @@ def _landed(direction: str, dev: list[torch.Tensor], host: list[torch.Tensor], h
     return all(torch.equal(dt.index_select(0, d).cpu(), ht.index_select(0, h)) for dt, ht in zip(dev, host))
 
 
-def pick_fastest(seconds: dict[str, float], prefer: str = "batch", margin: float = TIE_MARGIN) -> str:
-    """The fastest backend; `prefer` (DMA, no SMs used) wins unless another is more than `margin` faster."""
+def pick_fastest(seconds: dict[str, float], margin: float, prefer: str = "batch") -> str:
+    """The fastest backend; `prefer` (DMA, no SMs used) wins unless another takes under 1 / (1 + margin) of its time."""
     if not seconds:
         return "reference"
     best = min(seconds, key=seconds.__getitem__)
