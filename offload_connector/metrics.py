@@ -334,7 +334,10 @@ class OffloadStatsSink:
 
     def record_tier_io(self, tier: str, written_bytes: int, read_bytes: int, failures: int) -> None:
         """Worker side: bytes this worker's second tier `tier` wrote and read since the last call, and its failed
-        operations (disk I/Os, shared-store calls)."""
+        operations (disk I/Os, shared-store calls). A tier with no counter family in `_TIER_IO` (one added without
+        metrics of its own) records nothing."""
+        if tier not in _TIER_IO:
+            return
         written, read, failed = _TIER_IO[tier]
         with self._lock:
             self._stats._add(written, written_bytes)
@@ -344,7 +347,9 @@ class OffloadStatsSink:
     def record_rejections(self, tier: str, source: str, totals: dict[str, int]) -> None:
         """A second tier's cumulative rejections by reason (`tier` "shared": `RemoteStats.rejected`; "disk":
         `WorkerDiskTier.rejected`); `source` names the store ("worker", "markers") so each is sent as its own deltas.
-        Reasons outside the tier's closed set are not recorded."""
+        Reasons outside the tier's closed set are not recorded, nor those of a tier with no set in `_REJECTIONS`."""
+        if tier not in _REJECTIONS:
+            return
         prefix, reasons = _REJECTIONS[tier]
         with self._lock:
             for reason, now in totals.items():

@@ -639,7 +639,7 @@ def _child(script_path: str, out_path: str) -> None:
     if copies is not None:
         result["copies"] = copies
         result["blocks"] = block_log
-    disk = getattr(getattr(sconn, "scheduler_side", None), "disk", None)
+    disk = getattr(getattr(sconn, "scheduler_side", None), "second_tiers", {}).get("disk")
     if disk is not None:
         import dataclasses
         result["disk"] = {**dataclasses.asdict(disk.counters), "entries": len(disk.catalog),

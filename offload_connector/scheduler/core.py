@@ -18,12 +18,9 @@ from offload_connector.metadata import OffloadMetadata, OffloadWorkerMetadata
 from offload_connector.metrics import OffloadStats, OffloadStatsSink
 from offload_connector.scheduler import ledger
 from offload_connector.scheduler.admission import Admission, AdmissionControl
-from offload_connector.disk.placement import disk_slots
-from offload_connector.scheduler.disk_tier import DiskTierPlanner, dp_rank_of
-from offload_connector.scheduler.write_through import max_writing_blocks
 from offload_connector.scheduler.events import TierEvents, events_enabled
-from offload_connector.scheduler.second_tier import SecondTierPlanner
-from offload_connector.scheduler.remote_tier import RemoteTierPlanner, open_marker_store
+from offload_connector.scheduler.second_tier import PlannerContext, SecondTierPlanner
+from offload_connector.second_tiers import SECOND_TIERS, tier_factory
 from offload_connector.scheduler.fairness import FairQueue
 from offload_connector.scheduler.jobs import JobBook
 from offload_connector.scheduler.state import KVBinding, Layout, ReqState, SchedulerCounters
@@ -88,22 +85,16 @@ class OffloadScheduler:
         cache_config = getattr(vllm_config, "cache_config", None)
         self.admission.mark_junctions = getattr(cache_config, "prefix_cache_retention_interval", None) is not None
         self.stores = StorePlanner(config, layout, self.tier, self.jobs, self._events, self.counters)
-        self.disk: DiskTierPlanner | None = None
-        if config.disk_path is not None:
-            self.disk = DiskTierPlanner(self.tier, disk_slots(config.disk_bytes, self.slot_bytes), self.reporters,
-                                        max_writing_blocks(capacity))
-            # The workers opened (and checked) their files when vLLM registered their KV caches, before it built
-            # the scheduler: what every one of them holds is served from the first step.
-            self.disk.recover(config.disk_path, dp_rank_of(vllm_config), pc.pipeline_parallel_size,
-                              pc.tensor_parallel_size)
-            self.jobs.on_stored.append(self.disk.stored)
-        self.remote: RemoteTierPlanner | None = None
-        if config.remote_store is not None:
-            markers = open_marker_store(config, vllm_config, kv_cache_config, self.groups)
-            self.remote = RemoteTierPlanner(markers, self.tier, self.reporters, max_writing_blocks(capacity))
-            self.jobs.on_stored.append(self.remote.stored)
-        # The second tiers in read order (disk before the shared store), each by its name in the step messages.
-        self.second_tiers: dict[str, SecondTierPlanner] = {t.name: t for t in (self.disk, self.remote) if t is not None}
+        # The second tiers the config turns on, in read order (`second_tiers.py`), each by its name in the step
+        # messages.
+        ctx = PlannerContext(config, vllm_config, kv_cache_config, tuple(self.groups), self.tier, self.reporters,
+                             self.slot_bytes)
+        self.second_tiers: dict[str, SecondTierPlanner] = {}
+        for name in SECOND_TIERS:
+            planner = tier_factory(name, "scheduler")(ctx)
+            if planner is not None:
+                self.second_tiers[planner.name] = planner
+                self.jobs.on_stored.append(planner.stored)
         self.admission.second_tiers = tuple(self.second_tiers.values())
         self.resets = 0
         # Until the first step, ask vLLM for one (has_pending_work): its stats carry the tier's capacity to
@@ -112,7 +103,7 @@ class OffloadScheduler:
         logger.info(
             "offload_connector scheduler side: CPU tier %s per worker = %d slots x %d bytes, shared by %d KV cache "
             "groups (one slot = one block of one group; %s); reservation %s, admission %s%s, eviction %s, "
-            "window checkpoints every %d tokens%s, min load %d tokens, KV cache events %s; disk tier %s; shared tier %s",
+            "window checkpoints every %d tokens%s, min load %d tokens, KV cache events %s; second tiers: %s",
             _fmt_bytes(config.cpu_bytes), capacity, self.slot_bytes, len(self.groups),
             "; ".join(f"group {g.index}: {g.kind.value}"
                       + (f" {g.sliding_window}" if g.sliding_window else "")
@@ -126,9 +117,7 @@ class OffloadScheduler:
             config.eviction, config.window_checkpoint_tokens, " (derived from the layout)" if derived_spacing else "",
             config.min_load_tokens,
             "on" if self.events.enabled else "off",
-            f"{config.disk_path} ({self.disk.catalog.num_slots} slots per worker, {self.disk.counters.recovered} "
-            f"recovered)" if self.disk is not None else "off",
-            config.remote_store or "off")
+            "; ".join(f"{name} {t.describe()}" for name, t in self.second_tiers.items()) or "none")
 
     # ------------------------------------------------------------------ binding
     def bind(self, kv_cache_manager: KVCacheManager) -> None:

@@ -24,15 +24,16 @@ from typing import TYPE_CHECKING, Callable, Sequence
 
 from offload_connector.disk.format import DiskFormatError
 from offload_connector.disk.index import DiskEntry, DiskIndex, scan_directory
-from offload_connector.disk.placement import rank_dir
+from offload_connector.disk.placement import disk_slots, rank_dir
 from offload_connector.log import get_logger
 from offload_connector.transfer_jobs import DISK, TierStep
-from offload_connector.scheduler.write_through import WriteThrough
+from offload_connector.scheduler.write_through import WriteThrough, max_writing_blocks
 from offload_connector.scheduler.tier_index import TierIndex
 from offload_connector.keys import BlockKey
 
 if TYPE_CHECKING:
     from offload_connector.metrics import OffloadStatsSink
+    from offload_connector.scheduler.second_tier import PlannerContext
 
 logger = get_logger(__name__)
 
@@ -70,12 +71,14 @@ class DiskTierPlanner:
         self.writes = WriteThrough(tier, reporters, max_writing)
         self._pending_drops: list[Key] = []
         self._clear_pending = False
+        self._path = ""  # the base directory recover() scanned
 
     # --------------------------------------------------------------- start-up
     def recover(self, base_dir: str, dp_rank: int, pp_size: int, tp_size: int) -> None:
         """Index what every worker's file holds (call after the workers opened their tiers). The catalog gets the
         fewest slots any worker's file has: under pipeline parallelism a stage's blocks (and so its slots) may be
         larger than the first stage's, which is the one the scheduler's KV cache config describes."""
+        self._path = base_dir
         per_rank: list[dict[Key, tuple]] = []
         sizes: list[int] = []
         for pp in range(pp_size):
@@ -227,9 +230,27 @@ class DiskTierPlanner:
     def forget(self, request_id: str) -> None:
         """Nothing kept per request (the shared tier caches its lookups per request)."""
 
+    def describe(self) -> str:
+        return f"{self._path} ({self.catalog.num_slots} slots per worker, {self.counters.recovered} recovered)"
+
 
 def dp_rank_of(vllm_config: object) -> int:
     pc = getattr(vllm_config, "parallel_config", None)
     return int(getattr(pc, "data_parallel_rank", 0) or 0)
+
+
+def open_planner(ctx: PlannerContext) -> DiskTierPlanner | None:
+    """The registered scheduler-side factory (`second_tiers.py`): the disk tier's planner when `disk_path` is set,
+    with what every worker's file already holds (the workers opened and checked their files when vLLM registered
+    their KV caches, before it built the scheduler), so it is served from the first step."""
+    config = ctx.config
+    if config.disk_path is None:
+        return None
+    pc = ctx.vllm_config.parallel_config
+    planner = DiskTierPlanner(ctx.tier, disk_slots(config.disk_bytes, ctx.slot_bytes), ctx.reporters,
+                              max_writing_blocks(ctx.tier.capacity_slots))
+    planner.recover(config.disk_path, dp_rank_of(ctx.vllm_config), pc.pipeline_parallel_size,
+                    pc.tensor_parallel_size)
+    return planner
 
 

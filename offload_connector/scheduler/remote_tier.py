@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Callable, Iterable, Sequence
 from offload_connector.log import get_logger
 from offload_connector.transfer_jobs import SHARED, TierStep
 from offload_connector.scheduler.lookup import full_prefix_tokens
-from offload_connector.scheduler.write_through import WriteThrough
+from offload_connector.scheduler.write_through import WriteThrough, max_writing_blocks
 from offload_connector.scheduler.tier_index import TierIndex
 from offload_connector.keys import BlockKey
 
@@ -36,6 +36,7 @@ if TYPE_CHECKING:
     from offload_connector.metrics import OffloadStatsSink
     from offload_connector.remote import RemoteStore
     from offload_connector.scheduler.lookup import BlockKeys
+    from offload_connector.scheduler.second_tier import PlannerContext
 
 logger = get_logger(__name__)
 
@@ -68,7 +69,9 @@ class RemoteTierPlanner:
     name = SHARED
     local = False
 
-    def __init__(self, markers: RemoteStore, tier: TierIndex, reporters: int, max_writing: int) -> None:
+    def __init__(self, markers: RemoteStore, tier: TierIndex, reporters: int, max_writing: int,
+                 kind: str = "") -> None:
+        self.kind = kind  # the store's kind ("redis", "mooncake"), for the start-up log line
         self.markers = markers  # a RemoteStore under the engine-independent marker fingerprint
         self.epoch = 0  # cache resets so far: the shared tier's keys live in a namespace per epoch
         self.tier = tier
@@ -132,6 +135,9 @@ class RemoteTierPlanner:
     def start_read(self, request_id: str, keys: list[Key]) -> tuple[Callable[..., None], Fetch]:
         self.forget(request_id)
         return self.fetch_finished, Fetch(list(keys))
+
+    def describe(self) -> str:
+        return self.kind
 
     def forget(self, request_id: str) -> None:
         """Drop `request_id`'s cached answers (its load was issued, or it finished)."""
@@ -242,3 +248,14 @@ def open_marker_store(config: OffloadConfig, vllm_config: VllmConfig, kv_cache_c
                                  **options)
     except (RemoteConfigError, RemoteUnavailable) as exc:
         raise ConfigError(f"kv_connector_extra_config: 'remote_options': {exc}") from None
+
+
+def open_planner(ctx: PlannerContext) -> RemoteTierPlanner | None:
+    """The registered scheduler-side factory (`second_tiers.py`): the shared tier's planner when `remote_store` is
+    set, over the scheduler's marker client."""
+    config = ctx.config
+    if config.remote_store is None:
+        return None
+    markers = open_marker_store(config, ctx.vllm_config, ctx.kv_cache_config, ctx.groups)
+    return RemoteTierPlanner(markers, ctx.tier, ctx.reporters, max_writing_blocks(ctx.tier.capacity_slots),
+                             kind=config.remote_store)

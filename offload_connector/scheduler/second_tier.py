@@ -3,15 +3,22 @@
 `OffloadScheduler` and `AdmissionControl` hold the second tiers in order, nearest first, and call only these: extend
 a lookup with the blocks the tier holds, read a load's blocks back into the CPU tier, write through what the CPU tier
 stored, and report, reset and count. The worker side's half of the contract is `worker/second_tier.py`; the step
-messages carry each tier's operations under its `name` (`transfer_jobs.TierStep`, `TierRead`).
+messages carry each tier's operations under its `name` (`transfer_jobs.TierStep`, `TierRead`). A tier's planner is
+built by the factory registered in `offload_connector/second_tiers.py`, from a `PlannerContext`.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import TYPE_CHECKING, Callable, Protocol, Sequence
 
 if TYPE_CHECKING:
+    from vllm.config import VllmConfig
+    from vllm.v1.kv_cache_interface import KVCacheConfig
+
+    from offload_connector.config import OffloadConfig
     from offload_connector.groups import GroupInfo
+    from offload_connector.scheduler.tier_index import TierIndex
     from offload_connector.keys import BlockKey
     from offload_connector.metrics import OffloadStatsSink
     from offload_connector.scheduler.lookup import BlockKeys
@@ -62,3 +69,18 @@ class SecondTierPlanner(Protocol):
 
     def record_stats(self, stats: OffloadStatsSink) -> None:
         """This step's tier facts into the scheduler's metrics."""
+
+    def describe(self) -> str:
+        """One phrase for the start-up log line (where it is, how large, what it recovered)."""
+
+
+@dataclass(frozen=True)
+class PlannerContext:
+    """What a scheduler-side tier factory gets."""
+    config: OffloadConfig
+    vllm_config: VllmConfig
+    kv_cache_config: KVCacheConfig
+    groups: tuple[GroupInfo, ...]
+    tier: TierIndex  # the CPU tier's index: a second tier writes through from it and reads back into it
+    reporters: int  # workers that report each job (TP x PP)
+    slot_bytes: int  # one CPU-tier slot

@@ -8,12 +8,8 @@ that needs it is copied to the GPU only once every read of it has landed and ver
 
 from __future__ import annotations
 
-import hashlib
-from dataclasses import dataclass
 from typing import TYPE_CHECKING, Sequence
 
-from offload_connector.compat import lookahead_note, vllm_release
-from offload_connector.disk import DiskFingerprint
 from offload_connector.disk.format import MAC_KEY_PURPOSE
 from offload_connector.disk.placement import disk_budget, disk_slots, rank_dir
 from offload_connector.log import get_logger
@@ -22,55 +18,14 @@ from offload_connector.tier_auth import mac_key_from_file
 
 if TYPE_CHECKING:
     import torch
-    from vllm.config import VllmConfig
-    from vllm.v1.kv_cache_interface import KVCacheConfig
 
+    from offload_connector.disk import DiskFingerprint
     from offload_connector.disk.store import DiskIO, DiskStore
     from offload_connector.keys import BlockKey
+    from offload_connector.worker.second_tier import ClientContext
+    from offload_connector.worker.shard import WorkerRank
 
 logger = get_logger(__name__)
-
-
-@dataclass
-class DiskRank:
-    """This worker's place among the engine's workers (its directory and what its file's fingerprint records)."""
-    dp: int = 0
-    pp: int = 0
-    tp: int = 0
-    pp_size: int = 1
-    tp_size: int = 1
-
-
-def current_rank(vllm_config: VllmConfig) -> DiskRank:
-    """This worker's ranks, from vLLM's parallel groups (all 0 when they are not set up: tests, tools)."""
-    from vllm.distributed import parallel_state as ps
-    pc = getattr(vllm_config, "parallel_config", None)
-    dp = int(getattr(pc, "data_parallel_rank", 0) or 0)
-    pp_size = int(getattr(pc, "pipeline_parallel_size", 1) or 1)
-    tp_size = int(getattr(pc, "tensor_parallel_size", 1) or 1)
-    if not ps.model_parallel_is_initialized():
-        return DiskRank(dp, 0, 0, pp_size, tp_size)
-    return DiskRank(dp, ps.get_pp_group().rank_in_group, ps.get_tensor_model_parallel_rank(), pp_size, tp_size)
-
-
-def fingerprint_for(vllm_config: VllmConfig, kv_cache_config: KVCacheConfig, group_bytes: Sequence[int],
-                    slot_bytes: int, rank: DiskRank) -> DiskFingerprint:
-    """What must match for this worker's file to hold this worker's KV blocks: the model, each group's block bytes,
-    block size and layers (so a PP stage never reads another's), the KV dtype, this worker's TP/PP position, the
-    vLLM release and the block hashes' lookahead (0.34 with EAGLE/MTP)."""
-    mc = getattr(vllm_config, "model_config", None)
-    cc = getattr(vllm_config, "cache_config", None)
-    groups = kv_cache_config.kv_cache_groups
-    layers = hashlib.sha256(repr([list(g.layer_names) for g in groups]).encode()).hexdigest()[:16]
-    return DiskFingerprint(
-        model=str(getattr(mc, "model", "") or ""),
-        group_block_bytes=tuple(group_bytes),
-        block_sizes=tuple(int(g.kv_cache_spec.block_size) for g in groups),
-        dtype=f"{getattr(cc, 'cache_dtype', 'auto')}/{getattr(mc, 'dtype', '')}",
-        slot_bytes=slot_bytes,
-        extra=f"tp {rank.tp}/{rank.tp_size} pp {rank.pp}/{rank.pp_size} layers {layers}" + lookahead_note(vllm_config),
-        vllm=vllm_release(),
-    )
 
 
 class WorkerDiskTier:
@@ -85,7 +40,7 @@ class WorkerDiskTier:
 
     @classmethod
     def open(cls, base_dir: str, disk_bytes: int, tier_slot_bytes: int, host: torch.Tensor, group_bytes: Sequence[int],
-             fingerprint: DiskFingerprint, rank: DiskRank, secret_file: str | None = None) -> "WorkerDiskTier":
+             fingerprint: DiskFingerprint, rank: WorkerRank, secret_file: str | None = None) -> "WorkerDiskTier":
         from offload_connector.disk import DiskStore
 
         directory = rank_dir(base_dir, rank.dp, rank.pp, rank.tp)
@@ -151,4 +106,13 @@ class WorkerDiskTier:
         self.store.close()
 
 
-__all__ = ["DiskRank", "WorkerDiskTier", "current_rank", "fingerprint_for"]
+def open_client(ctx: ClientContext) -> WorkerDiskTier | None:
+    """The registered worker-side factory (`second_tiers.py`): this worker's disk tier when `disk_path` is set."""
+    config = ctx.config
+    if config.disk_path is None:
+        return None
+    return WorkerDiskTier.open(config.disk_path, config.disk_bytes, ctx.tier_slot_bytes, ctx.host, ctx.group_bytes,
+                               ctx.fingerprint, ctx.rank, secret_file=config.disk_secret_file)
+
+
+__all__ = ["WorkerDiskTier", "open_client"]

@@ -21,7 +21,8 @@ if TYPE_CHECKING:
     from offload_connector.disk import DiskFingerprint
     from offload_connector.keys import BlockKey
     from offload_connector.remote import RemoteStore
-    from offload_connector.worker.disk_io import DiskRank
+    from offload_connector.worker.second_tier import ClientContext
+    from offload_connector.worker.shard import WorkerRank
 
 logger = get_logger(__name__)
 
@@ -74,7 +75,7 @@ class WorkerRemoteTier:
         self._seen = (0, 0, 0)
 
     @classmethod
-    def open(cls, kind: str, options: dict[str, object], disk_fingerprint: DiskFingerprint, rank: DiskRank,
+    def open(cls, kind: str, options: dict[str, object], disk_fingerprint: DiskFingerprint, rank: WorkerRank,
              host: torch.Tensor, group_bytes: Sequence[int], mac_key: bytes | None = None) -> "WorkerRemoteTier":
         """This worker's client, under a fingerprint of its own shard (model, its blocks' bytes and layers, its TP
         and PP position); with `mac_key` it tags its writes and reads only values whose tags verify."""
@@ -150,3 +151,14 @@ class WorkerRemoteTier:
     def close(self) -> None:
         self._pool.shutdown(wait=True)
         self.store.close()
+
+
+def open_client(ctx: ClientContext) -> WorkerRemoteTier | None:
+    """The registered worker-side factory (`second_tiers.py`): this worker's shared-tier client when `remote_store`
+    is set."""
+    config = ctx.config
+    if config.remote_store is None:
+        return None
+    from offload_connector.remote.secret import shared_tier_mac_key
+    return WorkerRemoteTier.open(config.remote_store, dict(config.remote_options), ctx.fingerprint, ctx.rank, ctx.host,
+                                 ctx.group_bytes, mac_key=shared_tier_mac_key(config))

@@ -128,8 +128,7 @@ class OffloadWorker:
         device = views[0].device
         self.host_tier = self._host_tier_factory(num_slots, layout.slot_bytes, device.type == "cuda")
         self.num_slots = num_slots
-        if self.config.disk_path is not None or self.config.remote_store is not None:
-            self._open_second_tiers(layout, tier_slot_bytes)
+        self._open_second_tiers(layout, tier_slot_bytes)
         hosts = host_views(self.host_tier.tensor, layout)
         copier = (self._copier_factory or make_copier)(self.config.transfer_backend, views, hosts, layout.segments,
                                                        device=device)
@@ -159,24 +158,16 @@ class OffloadWorker:
                     f"{self.config.load_timeout_s:g} s" if self.config.load_timeout_s else "off")
 
     def _open_second_tiers(self, layout: KVLayout, tier_slot_bytes: int) -> None:
-        """The disk and shared tiers of this worker, keyed by a fingerprint of its own shard (model, its blocks'
-        bytes and layers, KV dtype, its TP/PP position)."""
-        from offload_connector.worker.disk_io import WorkerDiskTier, current_rank, fingerprint_for
-        rank = current_rank(self._vllm_config)
-        fingerprint = fingerprint_for(self._vllm_config, self.kv_cache_config, layout.group_bytes, layout.slot_bytes,
-                                      rank)
-        opened: list[WorkerSecondTier] = []
-        if self.config.disk_path is not None:
-            opened.append(WorkerDiskTier.open(self.config.disk_path, self.config.disk_bytes, tier_slot_bytes,
-                                              self.host_tier.tensor, layout.group_bytes, fingerprint, rank,
-                                              secret_file=self.config.disk_secret_file))
-        if self.config.remote_store is not None:
-            from offload_connector.worker.remote_io import WorkerRemoteTier
-            from offload_connector.remote.secret import shared_tier_mac_key
-            opened.append(WorkerRemoteTier.open(self.config.remote_store, dict(self.config.remote_options),
-                                                fingerprint, rank, self.host_tier.tensor, layout.group_bytes,
-                                                mac_key=shared_tier_mac_key(self.config)))
-        self.second_tiers = {tier.name: tier for tier in opened}
+        """The second tiers the config turns on (`second_tiers.py`, in read order), keyed by a fingerprint of this
+        worker's own shard (model, its blocks' bytes and layers, KV dtype, its TP/PP position)."""
+        from offload_connector.second_tiers import SECOND_TIERS, tier_factory
+        from offload_connector.worker.second_tier import ClientContext
+        ctx = ClientContext(self.config, self.host_tier.tensor, tuple(layout.group_bytes), layout.slot_bytes,
+                            tier_slot_bytes, self._vllm_config, self.kv_cache_config)
+        for name in SECOND_TIERS:
+            client = tier_factory(name, "worker")(ctx)
+            if client is not None:
+                self.second_tiers[client.name] = client
 
     # -------------------------------------------------------------- per step
     def fence(self, meta: OffloadMetadata) -> None:

@@ -32,12 +32,12 @@ WRITE = textwrap.dedent("""
     from offload_connector.disk import DiskStore
     from offload_connector.disk.format import HEADER_BYTES, slot_stride
     from offload_connector.groups import group_block_bytes
-    from offload_connector.worker.disk_io import DiskRank, fingerprint_for
+    from offload_connector.worker.shard import WorkerRank, fingerprint_for
 
     vc, sim = plan_scenario(GEMMA4_SEED, connector_config("exact", 1 << 30))
     kc = sim.worker_kv_cache_config
     group_bytes = [group_block_bytes(g, kc) for g in kc.kv_cache_groups]
-    fp = fingerprint_for(vc, kc, group_bytes, max(group_bytes), DiskRank(0, 0, 0, 1, 1))
+    fp = fingerprint_for(vc, kc, group_bytes, max(group_bytes), WorkerRank(0, 0, 0, 1, 1))
     with DiskStore(sys.argv[1], fp, HEADER_BYTES + 2 * slot_stride(fp.slot_bytes)) as store:
         assert store.write((0, b"block"), torch.ones(fp.slot_bytes, dtype=torch.uint8)).wait()
     print(fp.to_json().decode())

@@ -35,6 +35,7 @@ from offload_bench.replay.trace import PromptBuilder, TraceRecord, clip_to_model
 from offload_bench.replay.workloads import Workload
 from offload_bench.sim.remote import (DEFAULT_SHARED_BANDWIDTH_GBPS, DEFAULT_SHARED_LATENCY_MS, RemoteTiming, SimPool,
                                       SimWorkerRemoteTier, attach_sim_remote, sim_store_factory)
+from offload_connector.transfer_jobs import SHARED as SHARED_TIER
 
 ROUTERS = ("round-robin",)
 PRIVATE, SHARED = "offload (private)", "offload+shared"
@@ -246,7 +247,7 @@ def _finish(column: str, engines: list[RouterEngine], pool: SimPool | None, tota
         **_admission_check(sides),
     }
     if remotes:
-        planners = [x.remote for x in sides]
+        planners = [x.second_tiers[SHARED_TIER] for x in sides]
         extra.update(
             shared_blocks_written=sum(p.counters.writes_landed for p in planners),
             shared_write_skips=sum(p.counters.write_skips for p in planners),
