@@ -37,6 +37,14 @@ def with_default_timeout(kind: str, options: dict[str, object], seconds: float) 
     return options
 
 
+def follow_epoch(store: RemoteStore, held: int, step: TierStep) -> int:
+    """Move `store` to the scheduler's namespace epoch of this step (it moves on at each cache reset) if it is not
+    there yet; returns the epoch the store is now in."""
+    if step.epoch != held:
+        store.set_epoch(step.epoch)
+    return step.epoch
+
+
 def io_deltas(store: RemoteStore, seen: tuple[int, int, int]) -> tuple[tuple[int, int, int], tuple[int, int, int]]:
     """A store's (bytes put, bytes fetched, failed or rejected blocks) since `seen`, and the totals to pass next."""
     s = store.stats()
@@ -94,9 +102,7 @@ class WorkerRemoteTier:
 
     def apply(self, step: TierStep) -> None:
         """This step's writes, under the scheduler's namespace epoch (it moves on at each cache reset)."""
-        if step.epoch != self._epoch:
-            self.store.set_epoch(step.epoch)
-            self._epoch = step.epoch
+        self._epoch = follow_epoch(self.store, self._epoch, step)
         for write in step.writes:
             self._writes[write.job_id] = self._pool.submit(self._put, write)
 

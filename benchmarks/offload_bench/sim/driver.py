@@ -250,12 +250,11 @@ class SchedulerDriver(DraftCounts):
                 # One simulated worker stands for every TP rank and PP stage: each would report its shard of the
                 # same store jobs, and vLLM's aggregator concatenates the reports (the scheduler side waits for all
                 # of them). finished_sending/recving need no copies: the aggregator reports those once all agree.
-                from offload_connector.metadata import OffloadWorkerMetadata
-                # The disk and shared tiers' writes too: their planners also wait for every worker's report.
-                n = self.reporters
-                wmeta = OffloadWorkerMetadata(stores_done=wmeta.stores_done * n, stores_failed=wmeta.stores_failed * n,
-                                              writes_done={t: j * n for t, j in wmeta.writes_done.items()},
-                                              writes_failed={t: j * n for t, j in wmeta.writes_failed.items()})
+                # Every field (second-tier writes, abandoned and settled reads too) as vLLM's aggregator would
+                # concatenate the workers' reports: the connector's own `aggregate`, once per other worker.
+                one = wmeta
+                for _ in range(self.reporters - 1):
+                    wmeta = wmeta.aggregate(one)
             self.worker.take_stats()  # vLLM takes the worker's stats every step; nothing reads them here
             self.delayed_free -= sending
             # Sorted: vLLM frees the blocks of `finished_sending` in iteration order, and a set of str iterates in

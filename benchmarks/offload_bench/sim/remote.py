@@ -285,9 +285,8 @@ class SimWorkerRemoteTier:
         self.put_tag_mismatches = 0  # a slot written under a key whose tag it does not hold (must stay 0)
 
     def apply(self, step: Any) -> None:
-        if step.epoch != self._epoch:
-            self.store.set_epoch(step.epoch)
-            self._epoch = step.epoch
+        from offload_connector.worker.remote_io import follow_epoch
+        self._epoch = follow_epoch(self.store, self._epoch, step)
         for write in step.writes:
             keys, slots = list(write.keys), list(write.host_slots)
             tags = [self.copier.host.get(s) for s in slots]  # the slots are pinned until every worker reported
