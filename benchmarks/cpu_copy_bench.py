@@ -11,7 +11,6 @@ every timed configuration is byte-verified once.
 """
 from __future__ import annotations
 
-import argparse
 import ctypes
 import json
 import os
@@ -23,6 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
+from offload_bench.args import ArgError, OneLineParser, check_output_path, fail, int_in, int_list_in
 from offload_connector.kernels import ReferenceCopier, allocate_host_tier
 from offload_connector.kernels.host_copy import ISAS, HostCopier
 
@@ -119,22 +119,22 @@ def run(page: int, total_bytes: int, tensors: int, pad: int, repeats: int, seed:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--pages", default="16384,65536,262144,2621440", help="page sizes in bytes, comma separated")
-    p.add_argument("--total-mib", type=int, default=256, help="bytes moved per copy call")
-    p.add_argument("--tensors", type=int, default=4, help="KV tensors in the group (pages per block)")
-    p.add_argument("--pad", type=int, default=256, help="device row stride minus page bytes")
-    p.add_argument("--repeats", type=int, default=7)
-    p.add_argument("--seed", type=int, default=0)
+    p = OneLineParser(prog="cpu_copy_bench.py", description=__doc__.splitlines()[0])
+    p.add_argument("--pages", type=int_list_in(1, 1 << 30), default=[16384, 65536, 262144, 2621440],
+                   help="page sizes in bytes, comma separated")
+    p.add_argument("--total-mib", type=int_in(1, 1 << 16), default=256, help="bytes moved per copy call")
+    p.add_argument("--tensors", type=int_in(1, 1024), default=4, help="KV tensors in the group (pages per block)")
+    p.add_argument("--pad", type=int_in(0, 1 << 20), default=256, help="device row stride minus page bytes")
+    p.add_argument("--repeats", type=int_in(1, 1000), default=7)
+    p.add_argument("--seed", type=int_in(0, 2**32 - 1), default=0)
     p.add_argument("--isa", choices=ISAS, help="force the host backend's store path (default: the best this CPU has)")
     p.add_argument("--json", type=Path, help="also write the rows as JSON here")
     a = p.parse_args(argv)
-    pages = [int(x) for x in a.pages.split(",") if x]
-    for name, v in (("--total-mib", a.total_mib), ("--tensors", a.tensors), ("--repeats", a.repeats)):
-        if v <= 0:
-            p.error(f"{name} must be positive, got {v}")
-    if a.pad < 0 or any(x <= 0 for x in pages):
-        p.error(f"--pad must be >= 0 and --pages positive, got pad {a.pad}, pages {pages}")
+    try:
+        check_output_path("--json", None if a.json is None else str(a.json))
+    except ArgError as err:
+        return fail(p.prog, err)
+    pages = a.pages
     print(f"# {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__} "
           f"({torch.get_num_threads()} threads), {a.total_mib} MiB per call, {a.tensors} tensors, pad {a.pad}")
     print(f"{'dir':4} {'page':>8} {'blocks':>7} {'host':>7} {'reference':>10} {'memmove':>8} {'torch copy_':>12} "

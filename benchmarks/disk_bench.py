@@ -24,7 +24,6 @@ when the tier is also being written. Every read-back's bytes are checked.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import mmap
 import os
@@ -40,21 +39,15 @@ from collections import deque
 
 import numpy as np
 
+from offload_bench.args import OneLineParser, fail, int_in
 from offload_connector.disk.format import ALIGN, HEADER_BYTES, align_up, DiskFingerprint, slot_stride
 from offload_connector.disk.store import DiskStore
 
 GEMMA4_31B_SLOT = 2621440  # 2.5 MiB: the CPU tier's slot for Gemma-4-31B
 
 
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str):  # one line, exit 2
-        sys.stderr.write(f"disk_bench.py: error: {message}\n")
-        sys.exit(2)
-
-
 def _fail(message: str) -> None:
-    sys.stderr.write(f"disk_bench.py: error: {message}\n")
-    sys.exit(2)
+    sys.exit(fail("disk_bench.py", message))
 
 
 def _aligned(n: int) -> np.ndarray:
@@ -272,16 +265,16 @@ def crc_speed(slot_bytes: int) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = _Parser(description="Disk tier (DiskStore) vs raw sequential disk bandwidth.")
+    p = OneLineParser(prog="disk_bench.py", description="Disk tier (DiskStore) vs raw sequential disk bandwidth.")
     p.add_argument("--dir", default=None, help="directory on the disk to measure (default: a temp dir under /tmp)")
-    p.add_argument("--total-mib", type=int, default=2048)
-    p.add_argument("--slot-bytes", type=int, default=GEMMA4_31B_SLOT)
-    p.add_argument("--threads", type=int, default=2, help="the store's I/O threads")
-    p.add_argument("--chunk-mib", type=int, default=64, help="raw pass: bytes per sequential write/read")
-    p.add_argument("--arena-slots", type=int, default=32, help="host buffer slots the store copies from/to")
-    p.add_argument("--repeat", type=int, default=3, help="rounds of all passes; the table shows each pass's median")
-    p.add_argument("--load-blocks", type=int, default=64, help="read-back latency: slots one load reads")
-    p.add_argument("--loads", type=int, default=20, help="read-back latency: loads timed, idle and under writes")
+    p.add_argument("--total-mib", type=int_in(1, 1 << 24), default=2048)
+    p.add_argument("--slot-bytes", type=int_in(1, 1 << 34), default=GEMMA4_31B_SLOT)
+    p.add_argument("--threads", type=int_in(1, 1 << 20), default=2, help="the store's I/O threads")
+    p.add_argument("--chunk-mib", type=int_in(1, 1 << 20), default=64, help="raw pass: bytes per sequential write/read")
+    p.add_argument("--arena-slots", type=int_in(1, 1 << 20), default=32, help="host buffer slots the store copies from/to")
+    p.add_argument("--repeat", type=int_in(1, 1 << 20), default=3, help="rounds of all passes; the table shows each pass's median")
+    p.add_argument("--load-blocks", type=int_in(1, 1 << 20), default=64, help="read-back latency: slots one load reads")
+    p.add_argument("--loads", type=int_in(1, 1 << 20), default=20, help="read-back latency: loads timed, idle and under writes")
     p.add_argument("--no-direct", action="store_true", help="buffered I/O for both passes")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of the table")
     a = p.parse_args(argv)

@@ -23,15 +23,23 @@ import time
 from offload_bench.platform import use_cpu_platform
 
 use_cpu_platform()  # before vLLM is imported
+from offload_bench.args import ArgError, OneLineParser, check_output_path, fail, int_in
 from offload_bench.sim.fuzz import random_case, run_case
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--examples", type=int, default=10_000)
-    ap.add_argument("--seed", type=int, default=0)
+MAX_EXAMPLES = 10**7
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = OneLineParser(prog="fuzz_ledger.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--examples", type=int_in(1, MAX_EXAMPLES), default=10_000)
+    ap.add_argument("--seed", type=int_in(0, 2**63 - 1), default=0)
     ap.add_argument("--json", help="write the summary here")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
+    try:
+        check_output_path("--json", args.json)  # before the run, not after
+    except ArgError as err:
+        return fail(ap.prog, err)
     try:
         from tqdm import tqdm
     except ImportError:  # pragma: no cover

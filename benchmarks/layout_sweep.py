@@ -20,7 +20,6 @@ Exit status: 0 when every finished case is within bounds, 1 otherwise, 2 for a b
 
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import subprocess
@@ -29,6 +28,8 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
+
+from offload_bench.args import ArgError, OneLineParser, check_output_dir, fail, float_in
 
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = ROOT / "benchmarks" / "offload_bench" / "sim" / "models"
@@ -184,55 +185,44 @@ def markdown(rows: list[dict[str, Any]]) -> str:
     return "\n".join(lines)
 
 
-class UsageError(Exception):
-    pass
-
-
-class _Parser(argparse.ArgumentParser):
-    def error(self, message: str) -> None:  # one line, exit 2 (argparse would print the usage first)
-        print(f"layout_sweep: error: {message}", file=sys.stderr)
-        raise SystemExit(2)
-
-
 def _pick(text: str | None, allowed: list[str], what: str) -> list[str]:
     if text is None:
         return allowed
     got = [x for x in text.split(",") if x]
     bad = [x for x in got if x not in allowed]
     if bad or not got:
-        raise UsageError(f"--{what}: unknown {bad or text!r}; accepted: {', '.join(allowed)}")
+        raise ArgError(f"--{what}: unknown {bad or text!r}; accepted: {', '.join(allowed)}")
     return got
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = _Parser(description=__doc__.split("\n\n")[0])
+    p = OneLineParser(prog="layout_sweep.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, default=Path("results/sweep"))
     p.add_argument("--layouts", help="comma-separated layout names (default: all; see --list)")
     p.add_argument("--workloads", help=f"comma-separated (default: all of {', '.join(WORKLOADS)})")
     p.add_argument("--resume", action="store_true", help="skip the cases already in OUT/sweep.jsonl")
-    p.add_argument("--timeout", type=float, default=3600.0, help="seconds one case may take (default 3600)")
+    p.add_argument("--timeout", type=float_in(1, 86400), default=3600.0,
+                   help="seconds one case may take (default 3600)")
     p.add_argument("--list", action="store_true", help="print the layouts and exit")
     p.add_argument("--no-progress", action="store_true")
     try:
         args = p.parse_args(argv)
         names = _pick(args.layouts, [lay.name for lay in LAYOUTS], "layouts")
         workloads = _pick(args.workloads, list(WORKLOADS), "workloads")
-        if not 1 <= args.timeout <= 86400:
-            raise UsageError(f"--timeout must be in 1..86400 seconds; got {args.timeout}")
-    except UsageError as exc:
-        print(f"layout_sweep: error: {exc}", file=sys.stderr)
-        return 2
+    except ArgError as exc:
+        return fail(p.prog, exc)
     if args.list:
         for lay in LAYOUTS:
             print(f"{lay.name:26s} {lay.describe()}")
         return 0
     try:
-        args.out.mkdir(parents=True, exist_ok=True)
+        check_output_dir("--out", str(args.out))
         log = args.out / "sweep.jsonl"
         rows = [json.loads(x) for x in log.read_text().splitlines() if x.strip()] if log.exists() else []
-    except OSError as exc:
-        print(f"layout_sweep: error: --out {args.out}: {exc.strerror}", file=sys.stderr)
-        return 2
+    except ArgError as exc:
+        return fail(p.prog, exc)
+    except (OSError, ValueError) as exc:
+        return fail(p.prog, f"--out {args.out}: cannot read {log.name} ({getattr(exc, 'strerror', None) or exc})")
     if not args.resume:
         rows = []
         log.write_text("")

@@ -16,7 +16,6 @@ Exit status 2 with one line for a bad argument.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import sys
@@ -24,6 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from offload_bench.args import ArgError, OneLineParser, check_output_path, fail, float_in
 from offload_connector.remote import base
 
 KEY = base.derive_mac_key(b"benchmark secret, 32 bytes long!")
@@ -122,9 +122,9 @@ def per_fetch(path: str, rows: list[dict[str, Any]]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = OneLineParser(prog="mac_bench.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--sizes", default="32Ki,384Ki,2560Ki", help="value sizes (bytes, or with Ki/Mi), comma-separated")
-    p.add_argument("--seconds", type=float, default=1.0, help="time per measurement")
+    p.add_argument("--seconds", type=float_in(0.001, 60), default=1.0, help="time per measurement (up to 60)")
     p.add_argument("--json", default=None, help="write the rows here")
     p.add_argument("--replay-json", nargs="*", default=[], help="router replay results to estimate per fetch")
     p.add_argument("--disk", default=None, help="also measure the disk tier's slots in this directory")
@@ -134,18 +134,16 @@ def main(argv: list[str] | None = None) -> int:
         if not sizes or any(s <= 0 or s > 1 << 30 for s in sizes):
             raise ValueError
     except ValueError:
-        print(f"mac_bench: --sizes must be sizes in 1..1Gi such as 32Ki,1Mi; got {args.sizes!r}", file=sys.stderr)
-        return 2
-    if not 0 < args.seconds <= 60:
-        print(f"mac_bench: --seconds must be in (0, 60]; got {args.seconds}", file=sys.stderr)
-        return 2
+        return fail(p.prog, f"--sizes must be sizes in 1..1Gi such as 32Ki,1Mi; got {args.sizes!r}")
     for path in args.replay_json:
         if not Path(path).is_file():
-            print(f"mac_bench: --replay-json {path}: not a file", file=sys.stderr)
-            return 2
+            return fail(p.prog, f"--replay-json {path}: not a file")
     if args.disk is not None and not os.path.isdir(args.disk):
-        print(f"mac_bench: --disk {args.disk!r}: not a directory", file=sys.stderr)
-        return 2
+        return fail(p.prog, f"--disk {args.disk!r}: not a directory")
+    try:
+        check_output_path("--json", args.json)  # before the measurements, not after
+    except ArgError as err:
+        return fail(p.prog, err)
     rows = [measure(s, args.seconds) for s in sizes]
     if args.disk is not None:
         for r in rows:
@@ -168,8 +166,7 @@ def main(argv: list[str] | None = None) -> int:
             for line in per_fetch(path, rows):
                 print(line)
         except (OSError, ValueError) as exc:
-            print(f"mac_bench: --replay-json {path}: {exc}", file=sys.stderr)
-            return 2
+            return fail(p.prog, f"--replay-json {path}: {exc}")
     if args.json:
         Path(args.json).write_text(json.dumps(rows, indent=1))
     return 0

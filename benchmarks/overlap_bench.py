@@ -26,6 +26,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from offload_bench.args import ArgError, OneLineParser, check_output_dir, fail, int_in
 from offload_connector.kernels import allocate_host_tier, make_copier
 from offload_connector.kernels.select import calibrate
 
@@ -34,14 +35,12 @@ MAX_COPIES = 1000  # calls per overlapped window: 1,000 Gemma-shaped calls are a
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="overlap_bench.py", description=__doc__.split("\n")[0])
+    p = OneLineParser(prog="overlap_bench.py", description=__doc__.split("\n")[0])
     p.add_argument("--out", required=True, help="directory for results.json and results.md")
     p.add_argument("--cpu-smoke", action="store_true", help="tiny sizes on CPU: checks the code path only")
-    p.add_argument("--copies", type=int, default=12, help="copy calls per overlapped window (default 12)")
-    a = p.parse_args(argv)
-    if not 1 <= a.copies <= MAX_COPIES:
-        p.error(f"--copies must be 1 to {MAX_COPIES}, got {a.copies}")
-    return a
+    p.add_argument("--copies", type=int_in(1, MAX_COPIES), default=12,
+                   help=f"copy calls per overlapped window (default 12, at most {MAX_COPIES})")
+    return p.parse_args(argv)
 
 
 def _queue(calls: int, fn: Callable[[], Any], stream: Any) -> Callable[[], float]:
@@ -80,12 +79,10 @@ class Work:
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
-    out = Path(args.out)
     try:
-        out.mkdir(parents=True, exist_ok=True)
-    except OSError as exc:
-        print(f"overlap_bench.py: --out {args.out}: cannot make the directory ({exc.strerror})", file=sys.stderr)
-        return 2
+        out = check_output_dir("--out", args.out)
+    except ArgError as err:
+        return fail("overlap_bench.py", err)
     smoke = args.cpu_smoke
     if not smoke and not torch.cuda.is_available():
         print("overlap_bench.py: no CUDA device (use --cpu-smoke for a dry run)", file=sys.stderr)

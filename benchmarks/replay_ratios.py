@@ -9,11 +9,12 @@ held back for an older load. A file without both columns is one line saying so. 
 
 from __future__ import annotations
 
-import argparse
 import json
 import sys
 from pathlib import Path
 from typing import Any
+
+from offload_bench.args import OneLineParser, fail
 
 FIELDS = (("throughput", "output_tokens_per_s"), ("TTFT p50", "ttft_p50_s"), ("TTFT p95", "ttft_p95_s"),
           ("recomputed", "tokens_recomputed"))
@@ -51,7 +52,7 @@ def fmt(v: Any) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p = OneLineParser(prog="replay_ratios.py", description=__doc__.split("\n\n")[0])
     p.add_argument("files", nargs="+", type=Path)
     p.add_argument("--ours", default="offload")
     p.add_argument("--vs", default="vllm-offloading-patched")
@@ -59,13 +60,11 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     for f in args.files:
         if not f.is_file():
-            print(f"replay_ratios: {f} is not a file", file=sys.stderr)
-            return 2
+            return fail(p.prog, f"{f} is not a file")
     try:
         rows = [row(f, args.ours, args.vs) for f in args.files]
     except (ValueError, KeyError) as exc:
-        print(f"replay_ratios: not a replay JSON ({exc})", file=sys.stderr)
-        return 2
+        return fail(p.prog, f"not a replay JSON ({exc})")
     heads = ["row", *(label for label, _ in FIELDS), "stalls", "completed", "held for older", "aged out tokens"]
     table = [[fmt(r.get(h, "")) if "missing" not in r else (r["row"] if h == "row" else "") for h in heads]
              for r in rows]

@@ -46,6 +46,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
+from offload_bench.args import ArgError, OneLineParser, check_output_path, fail, int_in, parse_bytes
 from offload_bench.platform import use_cpu_platform
 
 use_cpu_platform()  # before vLLM is imported
@@ -268,20 +269,36 @@ def cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--steps", type=int, default=200, help="timed decode steps per run (default 200)")
-    ap.add_argument("--requests", default="64,256", help="running-request counts, comma separated")
-    ap.add_argument("--rounds", type=int, default=3, help="rebuild-and-rerun rounds; median over rounds")
-    ap.add_argument("--warmup-steps", type=int, default=20, help="extra untimed decode steps after warm-up")
-    ap.add_argument("--max-num-batched-tokens", type=int, default=8192)
-    ap.add_argument("--cpu-bytes", type=int, default=64 * 2**30, help="CPU tier bytes for both connectors")
+def _request_counts(text: str) -> list[int]:
+    """--requests: running-request counts, comma separated, each 1 to 4,096."""
+    parse = int_in(1, 4096)
+    out = [parse(x.strip()) for x in text.split(",") if x.strip()]
+    if not out:
+        raise argparse.ArgumentTypeError("none given (e.g. 64,256)")
+    return out
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = OneLineParser(prog="sched_overhead.py", description=__doc__.split("\n\n")[0])
+    ap.add_argument("--steps", type=int_in(1, 10**6), default=200, help="timed decode steps per run (default 200)")
+    ap.add_argument("--requests", type=_request_counts, default=[64, 256],
+                    help="running-request counts, comma separated")
+    ap.add_argument("--rounds", type=int_in(1, 1000), default=3, help="rebuild-and-rerun rounds; median over rounds")
+    ap.add_argument("--warmup-steps", type=int_in(0, 10**6), default=20,
+                    help="extra untimed decode steps after warm-up")
+    ap.add_argument("--max-num-batched-tokens", type=int_in(1, 2**22), default=8192)
+    ap.add_argument("--cpu-bytes", type=parse_bytes, default=64 * 2**30,
+                    help="CPU tier bytes for both connectors (e.g. 64GiB)")
     ap.add_argument("--no-vllm-decode", action="store_true",
                     help="skip the vLLM offload_prompt_only=false row")
     ap.add_argument("--verbose", action="store_true", help="keep vLLM's warnings")
     ap.add_argument("--json", metavar="PATH", help="write all results (per-step samples included) here")
-    args = ap.parse_args()
-    ns = [int(x) for x in args.requests.split(",") if x.strip()]
+    args = ap.parse_args(argv)
+    try:
+        check_output_path("--json", args.json)  # before the runs, not after
+    except ArgError as err:
+        return fail(ap.prog, err)
+    ns = args.requests
     kinds = ["none", "ours", "vllm"] + ([] if args.no_vllm_decode else ["vllm-decode"])
 
     import logging

@@ -38,8 +38,8 @@ MAX_JOBS = 16
 
 
 def main(argv: list[str] | None = None) -> int:
-    from offload_bench.replay.command import (MAX_SEED, ArgError, OneLineParser, check_output_path, fail,
-                                                  float_in, int_in)
+    from offload_bench.args import ArgError, OneLineParser, check_output_path, fail, float_in, int_in
+    from offload_bench.replay.command import MAX_SEED
     from offload_bench.soak.command import MAX_SIM_SECONDS
 
     prog = "soak.py"

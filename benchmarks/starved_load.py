@@ -36,9 +36,14 @@ SETTINGS = {
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    from offload_bench.args import ArgError, OneLineParser, check_output_path, fail
+    p = OneLineParser(prog="starved_load.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--json", help="write every outcome here")
     args = p.parse_args(argv)
+    try:
+        check_output_path("--json", args.json)  # before the runs, not after
+    except ArgError as err:
+        return fail(p.prog, err)
     use_cpu_platform()
     from offload_bench.sim.scenarios import connector_config
     from offload_bench.sim.starved import Scene, run

@@ -20,7 +20,6 @@ starting new configurations so the whole run stays under 6 minutes on an H200.
 """
 from __future__ import annotations
 
-import argparse
 import json
 import os
 import platform
@@ -35,6 +34,7 @@ from typing import Any, Callable
 import numpy as np
 import torch
 
+from offload_bench.args import ArgError, OneLineParser, check_output_dir, float_in, int_in
 from offload_connector.kernels import allocate_host_tier, make_copier
 
 KIB, MIB, GIB = 1 << 10, 1 << 20, 1 << 30
@@ -71,7 +71,8 @@ class Results:
 
 
 def parse_args(argv: list[str] | None = None) -> BenchConfig:
-    p = argparse.ArgumentParser(description="KV page transfer benchmark (GPU); --cpu-smoke for a CPU dry run")
+    p = OneLineParser(prog="transfer_bench.py",
+                      description="KV page transfer benchmark (GPU); --cpu-smoke for a CPU dry run")
     p.add_argument("--out", type=Path, required=True, help="directory for results.json / results.md")
     p.add_argument("--cpu-smoke", action="store_true", help="tiny CPU run of the whole pipeline (reference backend)")
     p.add_argument("--pages", default=None, help="page sizes in bytes, comma separated (default 16K,64K,256K,2.5M)")
@@ -79,10 +80,15 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
     p.add_argument("--methods", default=None, help=f"backends, comma separated (default {','.join(GPU_METHODS)})")
     p.add_argument("--pool-gib", type=float, default=None, help="device and host pool size (default 8, smoke 0.25)")
     p.add_argument("--peak-mib", type=int, default=None, help="size of the peak copy (default 1024, smoke 64)")
-    p.add_argument("--budget-s", type=float, default=300.0, help="stop starting new configurations after this")
+    p.add_argument("--budget-s", type=float_in(1, 86400), default=300.0,
+                   help="stop starting new configurations after this")
     p.add_argument("--ctas", default="2,4,8,16,32,64,132", help="kernel CTA counts for the sweep ('' = skip)")
-    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--seed", type=int_in(0, 2**32 - 1), default=0)
     a = p.parse_args(argv)
+    try:
+        check_output_dir("--out", str(a.out))  # before the run: results are written at its end
+    except ArgError as err:
+        p.error(str(err))
 
     def ints(text: str | None, default: tuple[int, ...], what: str) -> tuple[int, ...]:
         if text is None:
@@ -106,8 +112,8 @@ def parse_args(argv: list[str] | None = None) -> BenchConfig:
     if smoke and any(m != "reference" for m in methods):
         p.error(f"--cpu-smoke runs the reference backend only, got {methods}")
     pool_gib = a.pool_gib if a.pool_gib is not None else (0.25 if smoke else 8.0)
-    if pool_gib <= 0:
-        p.error(f"--pool-gib must be positive, got {pool_gib}")
+    if not 0 < pool_gib <= 1024:
+        p.error(f"--pool-gib must be above 0 and at most 1024, got {pool_gib}")
     peak_mib = a.peak_mib if a.peak_mib is not None else (64 if smoke else 1024)
     if peak_mib <= 0 or peak_mib * MIB > pool_gib * GIB:
         p.error(f"--peak-mib must be positive and fit in the pool, got {peak_mib}")

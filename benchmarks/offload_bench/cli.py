@@ -24,7 +24,7 @@ from typing import Any
 
 
 def _stall_demo(args: argparse.Namespace) -> int:
-    from offload_bench.replay.command import ArgError, check_output_path, fail
+    from offload_bench.args import ArgError, check_output_path, fail
 
     try:
         check_output_path("--json", args.json)  # before the scenarios run, not after
@@ -89,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _main(argv: list[str] | None) -> int:
-    from offload_bench.replay.command import OneLineParser
+    from offload_bench.args import OneLineParser
 
     # Subcommand parsers inherit the class: every argument error is one line, exit status 2.
     ap = OneLineParser(prog="offload-connector", description="offload_connector tools")

@@ -7,7 +7,8 @@ import json
 
 import pytest
 
-from offload_bench.replay.command import MODEL_DEFAULTS, parse_bytes
+from offload_bench.args import parse_bytes
+from offload_bench.replay.command import MODEL_DEFAULTS
 from offload_bench.replay.timemodel import SimClock, TimeModel, time_model_for
 from offload_bench.replay.trace import (
     SAMPLED_TOKEN,

@@ -16,9 +16,7 @@ from __future__ import annotations
 
 import argparse
 import gc
-import importlib
 import json
-import math
 import os
 import sys
 import time
@@ -26,6 +24,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
+from offload_bench.args import (MAX_CPU_BYTES, ArgError, check_output_path, fail, float_in, int_in, one_line,
+                                parse_bytes, require_module)
 from offload_bench.replay import CONNECTORS, MAX_ENGINES
 
 
@@ -73,7 +73,6 @@ TRACE_DEFAULTS = {"mooncake-synthetic": TraceDefaults(200, 6.0)}
 # max_model_len request must fit) and of --cpu-bytes (one host block) is checked with vLLM before the run.
 MAX_GPU_BLOCKS = 2**20
 MIN_GPU_BLOCKS = 2  # vLLM holds one block back (the null block)
-MAX_CPU_BYTES = 2**50  # 1 PiB; the tiers allocate host slots lazily, so this is a sanity bound
 MIN_MODEL_LEN = 2  # one prompt token and one output token
 MAX_MODEL_LEN = 2**24  # vLLM then checks the model's own limit (e.g. 262,144 for Gemma 4)
 MAX_BATCHED_TOKENS = 2**22
@@ -92,109 +91,6 @@ TOKEN_US = (1e-3, 1e6)  # --prefill-token-us, --decode-request-us
 SHARED_LATENCY_MS = (0.0, 1e4)  # --shared-latency-ms
 OFFLOAD_CONFIG_MAX_NUMBER = 10**9  # any number in --offload-config (steps, tokens, seconds)
 MAX_CONFIG_JSON_BYTES = 16 * 2**20  # a custom --model's config.json
-
-
-class ArgError(Exception):
-    """A bad argument found after parsing (a combination, a file, a path, a missing library): one line."""
-
-
-def one_line(text: Any, limit: int = 600) -> str:
-    """`text` as one printable line: control characters escaped, over-long text cut."""
-    out = "".join(c if c.isprintable() else c.encode("unicode_escape").decode("ascii") for c in str(text))
-    return out if len(out) <= limit else out[: limit - 3] + "..."
-
-
-def fail(prog: str, message: Any) -> int:
-    """argparse's error() format, one line on stderr; the exit status for a bad argument."""
-    print(f"{prog}: error: {one_line(message)}", file=sys.stderr, flush=True)
-    return 2
-
-
-class OneLineParser(argparse.ArgumentParser):
-    """argparse, but an error is one line (no usage block): `PROG: error: MESSAGE`, exit status 2."""
-
-    def error(self, message: str) -> None:  # type: ignore[override]
-        self.exit(2, f"{self.prog}: error: {one_line(message)} (see {self.prog} --help)\n")
-
-
-def int_in(lo: int, hi: int) -> Callable[[str], int]:
-    """argparse type: an integer in [lo, hi]."""
-    def parse(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not an integer (allowed: {lo:,} to {hi:,})") from None
-        if not lo <= value <= hi:
-            raise argparse.ArgumentTypeError(f"{value:,} is out of range (allowed: {lo:,} to {hi:,})")
-        return value
-
-    parse.__name__ = "int"
-    return parse
-
-
-def float_in(lo: float, hi: float) -> Callable[[str], float]:
-    """argparse type: a finite number in [lo, hi] (NaN and infinity rejected)."""
-    def parse(text: str) -> float:
-        try:
-            value = float(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"{text!r} is not a number (allowed: {lo:g} to {hi:g})") from None
-        if not math.isfinite(value):
-            raise argparse.ArgumentTypeError(f"{text!r} is not finite (allowed: {lo:g} to {hi:g})")
-        if not lo <= value <= hi:
-            raise argparse.ArgumentTypeError(f"{value:g} is out of range (allowed: {lo:g} to {hi:g})")
-        return value
-
-    parse.__name__ = "float"
-    return parse
-
-
-def parse_bytes(text: str) -> int:
-    """A byte size from 1 B to 1 PiB, read as `cpu_bytes` is (vLLM's suffixes: 64g = 64e9, 64G = 64GiB = 64 x 2^30)."""
-    from offload_connector.config import ConfigError, parse_byte_size
-    try:
-        value = parse_byte_size("cpu_bytes", text.strip())
-    except ConfigError:
-        value = None
-    if value is None or not 1 <= value <= MAX_CPU_BYTES:
-        raise argparse.ArgumentTypeError(f"{text!r} is not a byte size from 1 B to 1 PiB (e.g. 40GiB, 64g, 512Mi, "
-                                         f"1000000; suffixes as vLLM's: lower case decimal, upper case binary)")
-    return value
-
-
-def check_output_path(flag: str, path: str | None) -> None:
-    """Before the run: `path`'s directory exists and a file can be written there (probed, then removed)."""
-    if path is None:
-        return
-    if not path.strip():
-        raise ArgError(f"{flag}: empty path")
-    p = Path(path)
-    try:
-        if p.is_dir():
-            raise ArgError(f"{flag} {path!r}: is a directory; give a file name")
-        parent = p.parent
-        if not parent.is_dir():
-            raise ArgError(f"{flag} {path!r}: directory {str(parent)!r} does not exist" if not parent.exists()
-                           else f"{flag} {path!r}: {str(parent)!r} is not a directory")
-        existed = p.exists() or p.is_symlink()
-        # O_NONBLOCK: a FIFO without a reader fails at once (ENXIO) instead of blocking the command.
-        fd = os.open(p, os.O_WRONLY | os.O_APPEND | os.O_CREAT | os.O_NONBLOCK, 0o644)
-        os.close(fd)
-        if not existed:
-            p.unlink()
-    except OSError as err:
-        raise ArgError(f"{flag} {path!r}: cannot write there ({err.strerror or err})") from None
-
-
-def require_module(name: str, why: str, instead: str = "") -> Any:
-    """Import an optional library before the run, or say what to do without it."""
-    try:
-        return importlib.import_module(name)
-    except ImportError:
-        raise ArgError(f"{why} needs {name}, which is not installed (pip install {name.split('.')[0]}{instead})"
-                       ) from None
-    except Exception as err:  # installed but broken: still a one-line answer before the run
-        raise ArgError(f"{why} needs {name}, which fails to import ({type(err).__name__}: {err})") from None
 
 
 def check_plot(path: str | None) -> None:

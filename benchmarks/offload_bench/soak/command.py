@@ -35,9 +35,9 @@ PROG = "offload-connector soak"
 
 
 def add_parser(sub: Any) -> None:
+    from offload_bench.args import float_in, int_in, parse_bytes
     from offload_bench.replay.command import (MAX_BATCHED_TOKENS, MAX_GPU_BLOCKS, MAX_MODEL_LEN, MAX_NUM_SEQS,
-                                                  MAX_SEED, MAX_STALL_STEPS, MIN_GPU_BLOCKS, MIN_MODEL_LEN, float_in,
-                                                  int_in, parse_bytes)
+                                                  MAX_SEED, MAX_STALL_STEPS, MIN_GPU_BLOCKS, MIN_MODEL_LEN)
 
     rate = float_in(0.0, 1.0)
     p = sub.add_parser("soak", help="soak our connector for simulated hours: random aborts, preemptions, load/store "
@@ -68,8 +68,8 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from offload_bench.replay.command import (ArgError, check_batch, check_output_path, check_progress, fail,
-                                                  one_line, preflight)
+    from offload_bench.args import ArgError, check_output_path, fail, one_line
+    from offload_bench.replay.command import check_batch, check_progress, preflight
     from offload_bench.replay.timemodel import time_model_for
 
     try:  # before vLLM loads
