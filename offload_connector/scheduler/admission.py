@@ -18,7 +18,7 @@ from offload_connector.scheduler import ledger
 from offload_connector.scheduler.fairness import DeferredLoad, FairQueue
 from offload_connector.scheduler.second_tier import SecondTierPlanner
 from offload_connector.scheduler.jobs import JobBook
-from offload_connector.scheduler.lookup import BlockKeys, full_prefix_tokens, longest_hit
+from offload_connector.scheduler.lookup import full_prefix_tokens, longest_hit
 from offload_connector.scheduler.state import KVBinding, Layout, ReqState, SchedulerCounters
 from offload_connector.scheduler.stores import in_prefix_order
 from offload_connector.scheduler.tier_index import TierIndex
@@ -115,32 +115,12 @@ class AdmissionControl:
             # `full` is the whole prompt when no group is full attention: then only the hit and the GPU prefix tell.
             state.unshared = max(full if layout.has_full else 0, hit, local) == 0
         if junction > hit and state is not None and layout.has_full and layout.has_recycling:
-            if junction not in state.junctions:
-                self._keep_branched_windows(keys, junction)
             state.junctions.add(junction)
             # The recompute from `hit` then keeps the window at the junction on the GPU as well, so the next
             # request sharing this prefix resumes there from the GPU prefix cache. Never lower vLLM's own.
             if self.mark_junctions and junction > getattr(request, "shared_prefix_boundary", junction):
                 request.shared_prefix_boundary = junction
         return hit
-
-    def _keep_branched_windows(self, keys: BlockKeys, junction: int) -> None:
-        """A request branches off a stored prefix at `junction`, where no window is: the prefix is one that requests
-        come back to mid-prompt. Its windowed blocks still held below the junction as spare entries (the first
-        victims of any regular store) become regular, so that the next branch below it finds a window to resume at
-        instead of losing them to one-shot traffic. One-shot and returning traffic resume at prompt ends, which are
-        regular already, and never reach this."""
-        promote = []
-        for g in self.layout.groups:
-            if not g.recycling:
-                continue
-            for b in range(min(junction // g.block_size, keys.num_blocks(g.index))):
-                key = keys(g.index, b)
-                if self.tier.is_spare(key):
-                    promote.append(key)
-        if promote:
-            self.tier.promote(promote)
-            self.counters.branched_windows_kept += len(promote)
 
     def probe(self, request: Request) -> int:
         """The prefix this host's tiers (CPU, disk) could restore now, without any side effect: no shared-tier query,

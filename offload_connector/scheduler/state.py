@@ -118,7 +118,6 @@ class SchedulerCounters:
     stored_blocks: int = 0
     load_failures: int = 0
     not_started: int = 0  # lookups of a load admitted at the previous one that vLLM did not start (its load cap)
-    branched_windows_kept: int = 0  # spare window blocks made regular because a request branched off their prefix
 
 
 def _gcd_block(groups: tuple[GroupInfo, ...]) -> int:
