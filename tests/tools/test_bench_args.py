@@ -44,6 +44,7 @@ CASES = [
     ("overlap_bench.py", ["--out", "o", "--copies", "0"], "--copies"),
     ("overlap_bench.py", ["--out", "/dev/null/x"], "--out"),
     ("soak.py", ["--jobs", "0"], "--jobs"),
+    ("load_path.py", ["--json", MISSING], "does not exist"),
 ]
 
 
@@ -63,3 +64,21 @@ def test_a_bad_argument_is_one_line_and_exit_2(script: str, argv: list[str], say
 def _noise(line: str) -> bool:
     """Warnings that vLLM and torch print when a script imports them, before any argument is read."""
     return any(w in line for w in ("WARNING", "Warning", "warn(", "W1", "INFO", "triton", "_C'"))
+
+
+def test_the_load_path_walk_lists_the_files_a_load_enters(tmp_path: Path) -> None:
+    """benchmarks/load_path.py runs a real load and lists the files it entered: the scheduler's admission, the ledger
+    and the tier index, the worker's transfer engine and load reports among them."""
+    out = tmp_path / "walk.json"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "benchmarks")]),
+           "VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "load_path.py"), "--json", str(out)], cwd=ROOT,
+                          env=env, capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr[-2000:]
+    import json
+    files = json.loads(out.read_text())["files"]
+    for f in ("offload_connector/scheduler/admission.py", "offload_connector/scheduler/ledger.py",
+              "offload_connector/scheduler/tier_index.py", "offload_connector/worker/transfers.py",
+              "offload_connector/worker/landing.py"):
+        assert files.get(f, 0) > 0, (f, files)
+    assert f"{len(files)} files" in done.stdout

@@ -1,0 +1,76 @@
+#!/usr/bin/env python
+"""The files of the connector a plain CPU-tier load walks through, counted by running one.
+
+In vLLM's real scheduler on CPU (the simulation, gpt-oss-20b layout: a 128-token window and full attention), a
+2,049-token prompt is computed and stored, the GPU prefix cache is reset, and the same prompt returns: its 2,048-token
+prefix is loaded from the CPU tier. Every function of `offload_connector/` and `kernels/` called from the return's
+arrival until it finishes is recorded (`sys.setprofile`); the files are listed in the order first entered, with the
+calls into each. The return's one new block is stored too, and the per-step bookkeeping (metrics, watchdog, events)
+runs, so the count is an upper bound of the load path proper (issue "A house for the next engineer": at most 12).
+
+    PYTHONPATH=.:benchmarks python benchmarks/load_path.py [--json F]
+"""
+from __future__ import annotations
+
+import collections
+import json
+import os
+import sys
+from pathlib import Path
+
+from offload_bench.args import ArgError, OneLineParser, check_output_path, fail
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def walk() -> list[tuple[str, int]]:
+    """(file relative to the repository, calls) in the order the load first entered each file."""
+    from offload_bench.platform import use_cpu_platform
+    use_cpu_platform()
+    from offload_bench.sim.requests import make_request, tokens
+    from offload_bench.sim.scenarios import StallScenario, build
+
+    scn = StallScenario("gpt-oss-20b", num_blocks=1200, max_num_batched_tokens=4096, max_model_len=4096,
+                        prefix_tokens=2048, prompt_tokens=2049, sessions=1, cpu_bytes=1 << 30)
+    drv, sim = build(scn, "exact")
+    prompt = tokens(5, scn.prompt_tokens)
+    drv.add([make_request("first", prompt, 1, sim.hash_block_size)])
+    drv.run(max_steps=200)
+    drv.sched.reset_prefix_cache()
+    roots = tuple(str(ROOT / d) + os.sep for d in ("offload_connector", "kernels"))
+    calls: collections.Counter[str] = collections.Counter()
+
+    def profile(frame, event, arg):  # noqa: ANN001 - sys.setprofile's signature
+        if event == "call" and frame.f_code.co_filename.startswith(roots):
+            calls[os.path.relpath(frame.f_code.co_filename, ROOT)] += 1
+
+    drv.add([make_request("return", prompt, 1, sim.hash_block_size)])
+    sys.setprofile(profile)
+    try:
+        result = drv.run(max_steps=200)
+    finally:
+        sys.setprofile(None)
+    if "return" not in result.finished or drv.side.counters.loaded_tokens != scn.prefix_tokens:
+        raise RuntimeError(f"the return did not load its prefix (loaded {drv.side.counters.loaded_tokens} tokens)")
+    return list(calls.items())  # a Counter keeps first-insertion order
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = OneLineParser(prog="load_path.py", description=__doc__.split("\n\n")[0])
+    p.add_argument("--json", help="write the file list here")
+    args = p.parse_args(argv)
+    try:
+        check_output_path("--json", args.json)
+    except ArgError as err:
+        return fail(p.prog, err)
+    files = walk()
+    for name, n in files:
+        print(f"{n:7,d}  {name}")
+    print(f"{len(files)} files")
+    if args.json:
+        Path(args.json).write_text(json.dumps({"files": dict(files)}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
