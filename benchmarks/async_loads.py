@@ -11,7 +11,7 @@ import dataclasses
 import json
 import sys
 
-from offload_bench.args import ArgError, OneLineParser, check_output_path, fail, int_in
+from offload_bench.args import OneLineParser, fail, int_in
 from offload_bench.platform import use_cpu_platform
 
 
@@ -20,10 +20,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--returning", type=int_in(1, 8), default=2, metavar="1..8")
     p.add_argument("--json", help="write the rows here")
     args = p.parse_args(argv)
-    try:
-        check_output_path("--json", args.json)
-    except ArgError as err:
-        return fail(p.prog, err)
+    p.check_output("--json", args.json)  # before the run, not after
     use_cpu_platform()
     import vllm
 

@@ -23,7 +23,7 @@ import time
 from offload_bench.platform import use_cpu_platform
 
 use_cpu_platform()  # before vLLM is imported
-from offload_bench.args import ArgError, OneLineParser, check_output_path, fail, int_in
+from offload_bench.args import OneLineParser, int_in
 from offload_bench.sim.fuzz import random_case, run_case
 
 
@@ -36,10 +36,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seed", type=int_in(0, 2**63 - 1), default=0)
     ap.add_argument("--json", help="write the summary here")
     args = ap.parse_args(argv)
-    try:
-        check_output_path("--json", args.json)  # before the run, not after
-    except ArgError as err:
-        return fail(ap.prog, err)
+    ap.check_output("--json", args.json)  # before the run, not after
     try:
         from tqdm import tqdm
     except ImportError:  # pragma: no cover

@@ -18,7 +18,7 @@ import os
 import sys
 from pathlib import Path
 
-from offload_bench.args import ArgError, OneLineParser, check_output_path, fail
+from offload_bench.args import OneLineParser
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -59,10 +59,7 @@ def main(argv: list[str] | None = None) -> int:
     p = OneLineParser(prog="load_path.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--json", help="write the file list here")
     args = p.parse_args(argv)
-    try:
-        check_output_path("--json", args.json)
-    except ArgError as err:
-        return fail(p.prog, err)
+    p.check_output("--json", args.json)  # before the run, not after
     files = walk()
     for name, n in files:
         print(f"{n:7,d}  {name}")

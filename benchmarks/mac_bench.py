@@ -23,7 +23,7 @@ import time
 from pathlib import Path
 from typing import Any
 
-from offload_bench.args import ArgError, OneLineParser, check_output_path, fail, float_in
+from offload_bench.args import OneLineParser, fail, float_in
 from offload_connector.remote import base
 
 KEY = base.derive_mac_key(b"benchmark secret, 32 bytes long!")
@@ -140,10 +140,7 @@ def main(argv: list[str] | None = None) -> int:
             return fail(p.prog, f"--replay-json {path}: not a file")
     if args.disk is not None and not os.path.isdir(args.disk):
         return fail(p.prog, f"--disk {args.disk!r}: not a directory")
-    try:
-        check_output_path("--json", args.json)  # before the measurements, not after
-    except ArgError as err:
-        return fail(p.prog, err)
+    p.check_output("--json", args.json)  # before the run, not after
     rows = [measure(s, args.seconds) for s in sizes]
     if args.disk is not None:
         for r in rows:

@@ -46,7 +46,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from offload_bench.args import ArgError, OneLineParser, check_output_path, fail, int_in, parse_bytes
+from offload_bench.args import OneLineParser, int_in, parse_bytes
 from offload_bench.platform import use_cpu_platform
 
 use_cpu_platform()  # before vLLM is imported
@@ -294,10 +294,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--verbose", action="store_true", help="keep vLLM's warnings")
     ap.add_argument("--json", metavar="PATH", help="write all results (per-step samples included) here")
     args = ap.parse_args(argv)
-    try:
-        check_output_path("--json", args.json)  # before the runs, not after
-    except ArgError as err:
-        return fail(ap.prog, err)
+    ap.check_output("--json", args.json)  # before the run, not after
     ns = args.requests
     kinds = ["none", "ours", "vllm"] + ([] if args.no_vllm_decode else ["vllm-decode"])
 

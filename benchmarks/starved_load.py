@@ -36,14 +36,11 @@ SETTINGS = {
 
 
 def main(argv: list[str] | None = None) -> int:
-    from offload_bench.args import ArgError, OneLineParser, check_output_path, fail
+    from offload_bench.args import OneLineParser
     p = OneLineParser(prog="starved_load.py", description=__doc__.split("\n\n")[0])
     p.add_argument("--json", help="write every outcome here")
     args = p.parse_args(argv)
-    try:
-        check_output_path("--json", args.json)  # before the runs, not after
-    except ArgError as err:
-        return fail(p.prog, err)
+    p.check_output("--json", args.json)  # before the run, not after
     use_cpu_platform()
     from offload_bench.sim.scenarios import connector_config
     from offload_bench.sim.starved import Scene, run

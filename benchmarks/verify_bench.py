@@ -22,7 +22,7 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from offload_bench.args import ArgError, OneLineParser, check_output_path, fail, int_in, int_list_in
+from offload_bench.args import OneLineParser, add_copy_layout_args
 from offload_connector.kernels import allocate_host_tier, make_copier
 from offload_connector.metadata import TransferJob
 from offload_connector.worker.checksum import BlockChecksummer, SlotChecksums
@@ -89,19 +89,10 @@ def run(page: int, total_bytes: int, tensors: int, pad: int, repeats: int, seed:
 
 def main(argv: list[str] | None = None) -> int:
     p = OneLineParser(prog="verify_bench.py", description=__doc__.splitlines()[0])
-    p.add_argument("--pages", type=int_list_in(1, 1 << 30), default=[16384, 65536, 262144, 2621440],
-                   help="page sizes in bytes, comma separated")
-    p.add_argument("--total-mib", type=int_in(1, 1 << 16), default=128, help="bytes per job")
-    p.add_argument("--tensors", type=int_in(1, 1024), default=4, help="KV tensors in the group (pages per block)")
-    p.add_argument("--pad", type=int_in(0, 1 << 20), default=256, help="device row stride minus page bytes")
-    p.add_argument("--repeats", type=int_in(1, 1000), default=5)
-    p.add_argument("--seed", type=int_in(0, 2**32 - 1), default=0)
+    add_copy_layout_args(p, total_mib=128, repeats=5)
     p.add_argument("--json", type=Path, help="also write the rows as JSON here")
     a = p.parse_args(argv)
-    try:
-        check_output_path("--json", None if a.json is None else str(a.json))
-    except ArgError as err:
-        return fail(p.prog, err)
+    p.check_output("--json", a.json)  # before the run, not after
     pages = a.pages
     print(f"# {platform.processor() or platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__} "
           f"({torch.get_num_threads()} threads), {a.total_mib} MiB per job, {a.tensors} tensors, pad {a.pad}")

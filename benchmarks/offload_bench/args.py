@@ -38,6 +38,13 @@ class OneLineParser(argparse.ArgumentParser):
     def error(self, message: str) -> None:  # type: ignore[override]
         self.exit(2, f"{self.prog}: error: {one_line(message)} (see {self.prog} --help)\n")
 
+    def check_output(self, flag: str, path: str | os.PathLike[str] | None) -> None:
+        """Before the run: the file `flag` names can be written (`check_output_path`), else one line, exit 2."""
+        try:
+            check_output_path(flag, None if path is None else os.fspath(path))
+        except ArgError as err:
+            self.exit(2, f"{self.prog}: error: {one_line(err)}\n")
+
 
 def int_in(lo: int, hi: int) -> Callable[[str], int]:
     """argparse type: an integer in [lo, hi]."""
@@ -157,3 +164,14 @@ def int_list_in(lo: int, hi: int) -> Callable[[str], list[int]]:
 
     parse.__name__ = "list"
     return parse
+
+
+def add_copy_layout_args(p: argparse.ArgumentParser, total_mib: int, repeats: int) -> None:
+    """The copy benchmarks' layout: page sizes, bytes per call, tensors per group, row padding, repeats, seed."""
+    p.add_argument("--pages", type=int_list_in(1, 1 << 30), default=[16384, 65536, 262144, 2621440],
+                   help="page sizes in bytes, comma separated")
+    p.add_argument("--total-mib", type=int_in(1, 1 << 16), default=total_mib, help="bytes per copy call (MiB)")
+    p.add_argument("--tensors", type=int_in(1, 1024), default=4, help="KV tensors in the group (pages per block)")
+    p.add_argument("--pad", type=int_in(0, 1 << 20), default=256, help="device row stride minus page bytes")
+    p.add_argument("--repeats", type=int_in(1, 1000), default=repeats)
+    p.add_argument("--seed", type=int_in(0, 2**32 - 1), default=0)
