@@ -252,5 +252,3 @@ def open_planner(ctx: PlannerContext) -> DiskTierPlanner | None:
     planner.recover(config.disk_path, dp_rank_of(ctx.vllm_config), pc.pipeline_parallel_size,
                     pc.tensor_parallel_size)
     return planner
-
-
