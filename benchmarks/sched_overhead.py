@@ -46,7 +46,7 @@ import time
 from pathlib import Path
 from typing import Any, Callable
 
-from offload_bench.args import OneLineParser, int_in, parse_bytes
+from offload_bench.args import OneLineParser, int_in, int_list_in, parse_bytes
 from offload_bench.platform import use_cpu_platform
 
 use_cpu_platform()  # before vLLM is imported
@@ -269,19 +269,10 @@ def cpu_model() -> str:
     return platform.processor() or "unknown"
 
 
-def _request_counts(text: str) -> list[int]:
-    """--requests: running-request counts, comma separated, each 1 to 4,096."""
-    parse = int_in(1, 4096)
-    out = [parse(x.strip()) for x in text.split(",") if x.strip()]
-    if not out:
-        raise argparse.ArgumentTypeError("none given (e.g. 64,256)")
-    return out
-
-
 def main(argv: list[str] | None = None) -> int:
     ap = OneLineParser(prog="sched_overhead.py", description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int_in(1, 10**6), default=200, help="timed decode steps per run (default 200)")
-    ap.add_argument("--requests", type=_request_counts, default=[64, 256],
+    ap.add_argument("--requests", type=int_list_in(1, 4096), default=[64, 256],
                     help="running-request counts, comma separated")
     ap.add_argument("--rounds", type=int_in(1, 1000), default=3, help="rebuild-and-rerun rounds; median over rounds")
     ap.add_argument("--warmup-steps", type=int_in(0, 10**6), default=20,

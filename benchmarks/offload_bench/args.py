@@ -144,14 +144,6 @@ def check_output_dir(flag: str, path: str) -> Path:
     return p
 
 
-def run_checked(prog: str, main: Callable[[], int]) -> int:
-    """Run a command's body: an `ArgError` it raises is one line on stderr and exit status 2."""
-    try:
-        return main()
-    except ArgError as err:
-        return fail(prog, err)
-
-
 def int_list_in(lo: int, hi: int) -> Callable[[str], list[int]]:
     """argparse type: comma-separated integers, each in [lo, hi], at least one."""
     one = int_in(lo, hi)
