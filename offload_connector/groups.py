@@ -23,6 +23,7 @@ class GroupKind(str, Enum):
     SLIDING = "sliding_window"
     SLIDING_MLA = "sliding_window_mla"
     CHUNKED = "chunked_local"
+    MAMBA = "mamba"  # recurrent state (Mamba-2, gated DeltaNet), vLLM's `mamba_cache_mode: "align"` only
 
 
 # Exact class names: several vLLM specs subclass FullAttentionSpec but free blocks differently (RSWA, circular
@@ -34,6 +35,7 @@ _KIND_BY_SPEC = {
     "SlidingWindowSpec": GroupKind.SLIDING,
     "SlidingWindowMLASpec": GroupKind.SLIDING_MLA,
     "ChunkedLocalAttentionSpec": GroupKind.CHUNKED,
+    "MambaSpec": GroupKind.MAMBA,
 }
 _MANAGER_BY_KIND = {
     GroupKind.FULL: ("FullAttentionManager", "SinkFullAttentionManager"),
@@ -41,6 +43,7 @@ _MANAGER_BY_KIND = {
     GroupKind.SLIDING: ("SlidingWindowManager",),
     GroupKind.SLIDING_MLA: ("SlidingWindowManager",),
     GroupKind.CHUNKED: ("ChunkedLocalAttentionManager",),
+    GroupKind.MAMBA: ("MambaManager",),
 }
 
 
@@ -65,8 +68,8 @@ class GroupInfo:
 
     @property
     def recycling(self) -> bool:
-        """Whether blocks leave the request as its window moves (sliding window, chunked local)."""
-        return self.kind in (GroupKind.SLIDING, GroupKind.SLIDING_MLA, GroupKind.CHUNKED)
+        """Whether blocks leave the request as its window moves (sliding window, chunked local, Mamba state)."""
+        return self.kind in (GroupKind.SLIDING, GroupKind.SLIDING_MLA, GroupKind.CHUNKED, GroupKind.MAMBA)
 
     def skipped_tokens(self, num_computed: int) -> int:
         """Tokens no longer attended once `num_computed` tokens are computed (vLLM's `get_num_skipped_tokens`)."""
@@ -74,13 +77,19 @@ class GroupInfo:
             return max(0, num_computed - self.sliding_window + 1 - self.extra_retained_tokens)
         if self.kind is GroupKind.CHUNKED:
             return (num_computed // self.chunk_size) * self.chunk_size
+        if self.kind is GroupKind.MAMBA:
+            # Only the state after the last token is needed; vLLM's `n - 1` is -1 at 0, which skips nothing either.
+            return max(num_computed - 1, 0)
         return 0
 
     def first_live_block(self, num_computed: int) -> int:
         return self.skipped_tokens(num_computed) // self.block_size
 
     def restore_range(self, num_tokens: int) -> range:
-        """Block indices a request resuming after `num_tokens` tokens must hold for this group."""
+        """Block indices a request resuming after `num_tokens` tokens must hold for this group.
+
+        For a Mamba group in align mode that is one block, index `n / b - 1`: vLLM keeps the state after exactly
+        `(i + 1) * b` tokens in block `i` once a chunk has ended there (chunks end on block boundaries)."""
         return range(self.first_live_block(num_tokens), num_tokens // self.block_size)
 
 
@@ -95,7 +104,9 @@ def group_block_bytes(group: KVCacheGroupSpec, kv_cache_config: KVCacheConfig) -
     spec = group.kv_cache_spec
     if type(spec).__name__ == "UniformTypeKVCacheSpecs":
         return spec.page_size_bytes
-    nbytes = spec.page_size_bytes * len(group.layer_names)
+    # A Mamba page is padded to the attention page; only its states are copied (`worker.layout.mamba_state_bytes`).
+    page = spec.real_page_size_bytes if type(spec).__name__ == "MambaSpec" else spec.page_size_bytes
+    nbytes = page * len(group.layer_names)
     tensors = getattr(kv_cache_config, "kv_cache_tensors", None) or []
     num_blocks = getattr(kv_cache_config, "num_blocks", 0) or 0
     if tensors and num_blocks:
@@ -120,7 +131,8 @@ def cdiv(a: int, b: int) -> int:
 
 
 def live_ceiling(kind: GroupKind, block_size: int, extent: int, extra_retained_tokens: int,
-                 max_in_flight_tokens: int, lookahead_tokens: int) -> int | None:
+                 max_in_flight_tokens: int, lookahead_tokens: int, batches_in_flight: int = 1,
+                 checkpoint_blocks: int = 0) -> int | None:
     """The most real blocks one request can hold at once in a recycling group; None for full attention.
 
     vLLM frees out-of-window blocks on the processed-token basis (`remove_skipped_blocks` at computed minus
@@ -130,7 +142,15 @@ def live_ceiling(kind: GroupKind, block_size: int, extent: int, extra_retained_t
     `cdiv(r + span, b)`, largest for the largest reachable `r`: any offset (b - 1) for a sliding window, whose start
     moves one token at a time; only multiples of gcd(chunk, b) (at most b - gcd) for chunked local attention, whose
     start is a multiple of the chunk.
+
+    A Mamba group (align mode) holds the state block the oldest batch in flight started from, plus, for every batch
+    in flight, the block its chunk ends in and its prefill checkpoint block if the layer exports one
+    (`checkpoint_blocks`): vLLM allocates nothing for the positions a chunk passes over (they stay null). That is
+    never more than the blocks a 2-token window would span over the same tokens.
     """
+    if kind is GroupKind.MAMBA:
+        window_like = cdiv(block_size + max_in_flight_tokens + lookahead_tokens, block_size)
+        return min(window_like, 1 + max(batches_in_flight, 1) * (1 + checkpoint_blocks))
     if kind in (GroupKind.SLIDING, GroupKind.SLIDING_MLA):
         span = extent - 1 + extra_retained_tokens + max_in_flight_tokens + lookahead_tokens
         return cdiv(block_size - 1 + span, block_size)
@@ -140,13 +160,13 @@ def live_ceiling(kind: GroupKind, block_size: int, extent: int, extra_retained_t
     return None
 
 
-def describe_groups(kv_cache_config: KVCacheConfig, max_in_flight_tokens: int, lookahead_tokens: int = 0
-                    ) -> list[GroupInfo]:
+def describe_groups(kv_cache_config: KVCacheConfig, max_in_flight_tokens: int, lookahead_tokens: int = 0,
+                    batches_in_flight: int = 1) -> list[GroupInfo]:
     """Read the scheduler-side `KVCacheConfig` into `GroupInfo`s; refuse layouts we cannot offload.
 
     `max_in_flight_tokens`: tokens scheduled but not yet processed, over every batch in flight (vLLM's
     `VllmConfig.max_in_flight_tokens`); `lookahead_tokens`: KV slots allocated past the scheduled tokens (draft
-    model / EAGLE)."""
+    model / EAGLE); `batches_in_flight`: vLLM's `max_concurrent_batches`."""
     groups: list[GroupInfo] = []
     for index, group in enumerate(kv_cache_config.kv_cache_groups):
         spec = group.kv_cache_spec
@@ -155,8 +175,11 @@ def describe_groups(kv_cache_config: KVCacheConfig, max_in_flight_tokens: int, l
         if kind is None:
             raise UnsupportedLayoutError(
                 f"KV cache group {index} uses {name}, which offload_connector does not support (supported: "
-                f"{sorted(_KIND_BY_SPEC)}). Mamba/linear-attention, cross-attention and sparse-retention groups "
-                f"keep state that cannot be restored from prefix blocks.")
+                f"{sorted(_KIND_BY_SPEC)}). Cross-attention and sparse-retention groups keep state that cannot be "
+                f"restored from prefix blocks.")
+        checkpoint_blocks = 0
+        if kind is GroupKind.MAMBA:
+            checkpoint_blocks = _mamba_checkpoint_blocks(index, spec)
         window = getattr(spec, "sliding_window", None) or 0
         extra = getattr(spec, "extra_retained_tokens", 0) or 0
         chunk = getattr(spec, "attention_chunk_size", None) or 0
@@ -170,11 +193,29 @@ def describe_groups(kv_cache_config: KVCacheConfig, max_in_flight_tokens: int, l
             extra_retained_tokens=extra,
             chunk_size=chunk,
             live_ceiling=live_ceiling(kind, spec.block_size, chunk if kind is GroupKind.CHUNKED else window, extra,
-                                      max_in_flight_tokens, lookahead_tokens),
+                                      max_in_flight_tokens, lookahead_tokens, batches_in_flight, checkpoint_blocks),
         ))
     if not groups:
         raise UnsupportedLayoutError("the model has no KV cache groups; there is nothing to offload")
     return groups
+
+
+def _mamba_checkpoint_blocks(index: int, spec: object) -> int:
+    """Checks a Mamba group is one the connector can restore; returns its prefill checkpoint blocks per chunk.
+
+    Only vLLM's align mode keeps a state per block boundary (`mamba_cache_mode: "none"` keeps one state per request
+    and gives no request a block hash). Speculative blocks move along the block table and are not modelled yet."""
+    mode = getattr(spec, "mamba_cache_mode", "none")
+    if mode != "align":
+        raise UnsupportedLayoutError(
+            f"KV cache group {index} (MambaSpec) keeps Mamba/linear-attention state with mamba_cache_mode '{mode}'; "
+            f"offload_connector restores such state only in 'align' mode (vLLM selects it with "
+            f"--enable-prefix-caching)")
+    if getattr(spec, "num_speculative_blocks", 0):
+        raise UnsupportedLayoutError(
+            f"KV cache group {index} (MambaSpec) keeps Mamba/linear-attention state with {spec.num_speculative_blocks} "
+            f"speculative blocks; offload_connector does not offload Mamba state under speculative decoding yet")
+    return 1 if getattr(spec, "num_prefill_checkpoint_blocks", 0) else 0
 
 
 def hit_alignment(groups: Sequence[GroupInfo]) -> int:
@@ -198,7 +239,7 @@ def check_against_manager(groups: Sequence[GroupInfo], managers: Sequence[Single
                 f"KV cache group {g.index}: manager block size {manager.block_size} != spec {g.block_size} "
                 f"(decode context parallelism is not supported)")
         for n in (0, 1, g.block_size, 1000, 4097, 65536, 1_000_003):
-            if manager.get_num_skipped_tokens(n) != g.skipped_tokens(n):
+            if max(manager.get_num_skipped_tokens(n), 0) != g.skipped_tokens(n):
                 raise UnsupportedLayoutError(
                     f"KV cache group {g.index}: vLLM skips {manager.get_num_skipped_tokens(n)} tokens at {n}, the "
                     f"connector expects {g.skipped_tokens(n)}")

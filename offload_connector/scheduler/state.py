@@ -40,7 +40,8 @@ class Layout:
         spec_cfg = getattr(vllm_config, "speculative_config", None)
         num_spec = getattr(spec_cfg, "num_speculative_tokens", 0) or 0 if spec_cfg else 0
         lookahead = getattr(vllm_config, "num_lookahead_tokens", 0) or 0
-        groups = tuple(describe_groups(kv_cache_config, _max_in_flight_tokens(vllm_config), lookahead))
+        groups = tuple(describe_groups(kv_cache_config, _max_in_flight_tokens(vllm_config), lookahead,
+                                       int(getattr(vllm_config, "max_concurrent_batches", 1) or 1)))
         return cls(
             groups=groups,
             alignment=hit_alignment(list(groups)),

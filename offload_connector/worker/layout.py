@@ -1,7 +1,8 @@
 """The worker's view of vLLM's KV cache: per KV cache group, the byte pages one block id occupies.
 
 vLLM hands `register_kv_caches` one typed tensor per attention layer with the block id in dim 0 (after
-`group_kernel_blocks` undoes kernel-block splitting). A block's data for one layer is one contiguous run of
+`group_kernel_blocks` undoes kernel-block splitting), and one raw byte view per Mamba/linear-attention layer, whose
+states fill the start of each block's page (`mamba_state_bytes`). A block's data for one layer is one contiguous run of
 `page_bytes` (K and V share it); consecutive blocks are `stride(0)` apart, which exceeds the page when the layout
 packs several layers or groups into one block. Layers can alias the same bytes: vLLM lays every group's i-th layer
 over the same buffer (a block id belongs to one group at a time), and KV-sharing layers reuse their target's
@@ -69,6 +70,16 @@ def _byte_view(t: torch.Tensor, num_blocks: int, name: str) -> tuple[torch.Tenso
     return view, page
 
 
+def mamba_state_bytes(spec: object) -> int | None:
+    """Bytes of a Mamba/linear-attention layer's states in one block (None for attention).
+
+    vLLM registers such a layer as one raw `[blocks, 1, 1, page]` view whose page is padded to the attention page;
+    the layer's states (conv, SSM; 0.34 rounds each to `state_alignment`) are packed from byte 0."""
+    if type(spec).__name__ != "MambaSpec":
+        return None
+    return int(spec.real_page_size_bytes)
+
+
 def build_layout(kv_caches: Mapping[str, object], kv_cache_config: KVCacheConfig
                  ) -> tuple[KVLayout, list[torch.Tensor]]:
     """Page views for every group's layers, deduplicated; returns the layout and one device view per page."""
@@ -81,6 +92,7 @@ def build_layout(kv_caches: Mapping[str, object], kv_cache_config: KVCacheConfig
         seen: dict[tuple[int, int, int], int] = {}
         seg: list[int] = []
         offset = 0
+        state_bytes = mamba_state_bytes(group.kv_cache_spec)
         for name in group.layer_names:
             if name not in kv_caches:
                 raise LayoutError(f"KV cache group {g} names layer {name!r}, which register_kv_caches did not get")
@@ -89,6 +101,9 @@ def build_layout(kv_caches: Mapping[str, object], kv_cache_config: KVCacheConfig
                 raise LayoutError(f"KV cache of layer {name!r} is a {type(cache).__name__}, not one tensor; "
                                   "split K/V caches are not supported")
             view, page = _byte_view(cache, num_blocks, name)
+            if state_bytes is not None and state_bytes < page:
+                # A Mamba layer's page is padded to the attention page; its states sit packed at the start.
+                view, page = view[:, :state_bytes], state_bytes
             key = (view.data_ptr(), view.stride(0), page)
             if key in seen:
                 i = seen[key]

@@ -38,13 +38,39 @@ def test_cpu_bytes_smaller_than_a_block_is_refused():
                      kv_transfer_config=connector_config("exact", 10))
 
 
-def test_mamba_layout_is_refused_with_reason():
+def _hybrid(**mamba):
     from vllm.v1.kv_cache_interface import FullAttentionSpec, KVCacheConfig, KVCacheGroupSpec, MambaSpec
-
-    from offload_connector.groups import describe_groups
 
     groups = [KVCacheGroupSpec(["a"], FullAttentionSpec(block_size=32, num_kv_heads=1, head_size=64,
                                                         dtype=torch.bfloat16)),
-              KVCacheGroupSpec(["m"], MambaSpec(block_size=32, shapes=((4, 4),), dtypes=(torch.float32,)))]
-    with pytest.raises(UnsupportedLayoutError, match="MambaSpec"):
-        describe_groups(KVCacheConfig(num_blocks=10, kv_cache_tensors=[], kv_cache_groups=groups), 2048)
+              KVCacheGroupSpec(["m0", "m1"], MambaSpec(block_size=32, shapes=((4, 4), (2, 8)),
+                                                       dtypes=(torch.float32, torch.float32), **mamba))]
+    return KVCacheConfig(num_blocks=10, kv_cache_tensors=[], kv_cache_groups=groups)
+
+
+def test_mamba_state_outside_align_mode_is_refused_with_reason():
+    """`mamba_cache_mode: "none"` keeps one state per request and gives no request a block hash."""
+    from offload_connector.groups import describe_groups
+
+    with pytest.raises(UnsupportedLayoutError, match="MambaSpec.*mamba_cache_mode 'none'.*'align'"):
+        describe_groups(_hybrid(), 2048)
+    with pytest.raises(UnsupportedLayoutError, match="MambaSpec.*2 speculative blocks"):
+        describe_groups(_hybrid(mamba_cache_mode="align", num_speculative_blocks=2), 2048)
+
+
+def test_a_mamba_group_in_align_mode_restores_one_state_block():
+    from offload_connector.groups import GroupKind, describe_groups
+
+    full, mamba = describe_groups(_hybrid(mamba_cache_mode="align"), 512, batches_in_flight=2)
+    assert mamba.kind is GroupKind.MAMBA and mamba.recycling and not full.recycling
+    assert mamba.block_bytes == 2 * (4 * 4 + 2 * 8) * 4  # the states, not a padded page
+    assert [mamba.skipped_tokens(n) for n in (0, 1, 32, 33)] == [0, 0, 31, 32]
+    assert list(mamba.restore_range(96)) == [2] and list(mamba.restore_range(100)) == []
+    # The state it resumes from, plus the chunk-end block of each of the two batches in flight.
+    assert mamba.live_ceiling == 3
+    _, ckpt = describe_groups(_hybrid(mamba_cache_mode="align", num_prefill_checkpoint_blocks=1,
+                                      prefill_checkpoint_alignment=1), 512, batches_in_flight=2)
+    assert ckpt.live_ceiling == 5
+    # Never above what a 2-token window spans over the tokens in flight (one 32-token batch: 2 blocks).
+    _, small = describe_groups(_hybrid(mamba_cache_mode="align"), 32, batches_in_flight=4)
+    assert small.live_ceiling == 2

@@ -117,6 +117,45 @@ def test_groups_with_different_pages_and_padded_rows():
     assert torch.equal(padded[:, 1024:], padding)  # row padding is not part of a page and is never written
 
 
+def mamba_hybrid():
+    """One full-attention layer and two Mamba layers over one buffer, as vLLM 0.32-0.34 allocate a hybrid in align
+    mode: every layer's block is one padded page, and a Mamba layer is registered as a raw `[blocks, 1, 1, page]`
+    int8 view whose conv and SSM states are packed from byte 0 (the rest of the page is padding)."""
+    from vllm.v1.kv_cache_interface import MambaSpec
+
+    full = FullAttentionSpec(block_size=32, num_kv_heads=1, head_size=64, dtype=torch.bfloat16)
+    mamba = MambaSpec(block_size=32, shapes=((3, 96), (2, 16, 32)), dtypes=(torch.bfloat16, torch.float32),
+                      page_size_padded=PAGE, mamba_cache_mode="align")
+    states = 3 * 96 * 2 + 2 * 16 * 32 * 4
+    assert mamba.real_page_size_bytes == states < PAGE == full.page_size_bytes
+    config = KVCacheConfig(num_blocks=NUM_BLOCKS, kv_cache_tensors=[], kv_cache_groups=[
+        KVCacheGroupSpec(["attn"], full), KVCacheGroupSpec(["m0", "m1"], mamba)])
+    region = NUM_BLOCKS * PAGE
+    buf = torch.randint(0, 256, (3 * region,), dtype=torch.uint8)
+    caches = {"attn": buf[:region].view(torch.bfloat16).view(NUM_BLOCKS, 2, 32, 64)}
+    for i, name in enumerate(("m0", "m1")):
+        caches[name] = buf[(i + 1) * region:(i + 2) * region].view(torch.int8).view(NUM_BLOCKS, 1, 1, PAGE)
+    return config, caches, buf.view(3, NUM_BLOCKS, PAGE), states
+
+
+def test_mamba_layers_copy_their_states_and_not_the_page_padding():
+    config, caches, regions, states = mamba_hybrid()
+    worker = make_worker(config, caches, 16 * PAGE)
+    assert worker.layout.group_bytes == (PAGE, 2 * states)
+    original = regions.clone()
+    worker.start(OffloadMetadata(step=1, stores=(job(1, "a", [(0, 3, 0), (1, 5, 1)]),)))
+    worker.transfer_results()
+    regions.zero_()
+    worker.start(OffloadMetadata(step=2, loads=(job(2, "b", [(0, 7, 0), (1, 9, 1)]),)))
+    assert worker.transfer_results()[1] == {"b"}
+    assert torch.equal(regions[0, 7], original[0, 3])
+    for layer in (1, 2):
+        assert torch.equal(regions[layer, 9, :states], original[layer, 5, :states])
+        assert not regions[layer, 9, states:].any()  # the padding is not copied
+    assert not regions[:, [3, 5]].any()
+    assert worker.take_stats().data["counters"][LOADED_BYTES] == PAGE + 2 * states
+
+
 def test_delayed_free_reported_once_the_requests_stores_finish():
     config, caches, _ = aliased_gemma_like()
     worker = make_worker(config, caches, 64 * 2 * PAGE)

@@ -25,6 +25,8 @@ def cold_need(groups: Sequence[GroupDesc], length: int, in_flight: int) -> int:
             blocks = min(blocks, cdiv(extent - 1 + in_flight, bs) + 1)
         elif kind == "chunked":
             blocks = min(blocks, cdiv(extent + in_flight, bs))
+        elif kind == "mamba":
+            blocks = min(blocks, cdiv(bs + in_flight, bs) + 1)
         total += blocks
     return total
 
@@ -50,6 +52,16 @@ def make_spec(kind: str, block_size: int, extent: int) -> Any:
         return SlidingWindowMLASpec(**common, sliding_window=extent)
     if kind == "chunked":
         return ChunkedLocalAttentionSpec(**common, attention_chunk_size=extent)
+    if kind == "mamba":
+        # A recurrent state (conv + SSM) in vLLM's align mode, padded to the attention page as vLLM pads it.
+        # `extent` 1: the layer exports a prefill checkpoint block (Mamba-2; GDN with FlashInfer's prefill).
+        from vllm.v1.kv_cache_interface import MambaSpec
+
+        page = FullAttentionSpec(**common).page_size_bytes
+        return MambaSpec(block_size=block_size, shapes=((4, 32), (8, 32)), dtypes=(torch.bfloat16, torch.bfloat16),
+                         page_size_padded=max(page, 768), mamba_cache_mode="align",
+                         num_prefill_checkpoint_blocks=1 if extent else 0,
+                         prefill_checkpoint_alignment=1 if extent else None)
     raise ValueError(kind)
 
 
@@ -127,6 +139,11 @@ def build_custom(groups: Sequence[GroupDesc], *, num_blocks: int, max_num_batche
     # Pipeline parallelism changes only how many batches vLLM keeps in flight (`max_concurrent_batches`, which the
     # driver's batch queue and the ledger's in-flight bound both read); the stages' layers are not simulated.
     vc.parallel_config.pipeline_parallel_size = pipeline_parallel_size
+    if any(g[0] == "mamba" for g in groups):
+        # vLLM runs Mamba groups in align mode only with prefix caching; both the scheduler (block-aligned chunks)
+        # and the Mamba manager read the mode from the cache config.
+        vc.cache_config.mamba_cache_mode = "align"
+        vc.cache_config.enable_prefix_caching = True
     if num_speculative_tokens:
         attach_speculative_config(vc, spec_method, num_speculative_tokens)
         if scheduler_cls is None:

@@ -18,6 +18,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
+from offload_connector.groups import GroupKind
 from offload_bench.sim.drafts import DraftCounts, DraftSampler
 from offload_bench.sim.vllm_compat import runner_output, waiting_count
 from offload_bench.sim.tagcopy import TagCopier, build_worker
@@ -125,6 +126,12 @@ class SchedulerDriver(DraftCounts):
                     if not blocks[i].is_null:
                         self.engine.gpu[blocks[i].block_id] = keys(g.index, i)
                 marks[g.index] = last
+                if g.kind is GroupKind.MAMBA and after % g.block_size and (after - 1) // g.block_size < len(blocks):
+                    # The state after a chunk that ends inside a block is in that block until the request reaches
+                    # the block's end: it is no block boundary's state, and no load may hand it out as one.
+                    running = blocks[(after - 1) // g.block_size]
+                    if not running.is_null:
+                        self.engine.gpu[running.block_id] = ("mamba-partial", g.index, rid, after)
 
     def _write_settled_tags(self, out: Any, reqs: dict[str, Any], live: set[str]) -> None:
         """Tag blocks whose KV an applied batch computed before their tokens were known.
@@ -171,7 +178,7 @@ class SchedulerDriver(DraftCounts):
             keys = self.side.layout.keys(req)
             for g, mgr in zip(self.side.groups, self.managers()):
                 blocks = mgr.req_to_blocks.get(rid, [])
-                for i in g.restore_range(hit):
+                for i in _must_hold(g, hit, rid):
                     tag = self.engine.gpu.get(blocks[i].block_id)
                     if tag != keys(g.index, i):
                         raise LoadContentError(
@@ -341,3 +348,15 @@ class SchedulerDriver(DraftCounts):
     def idle_invariant(self) -> bool:
         return (not self.sched.has_unfinished_requests()
                 and self.pool.get_num_free_blocks() == self.sched.kv_cache_config.num_blocks - 1)
+
+
+def _must_hold(group: Any, hit: int, rid: str) -> range:
+    """Blocks a request resuming after `hit` tokens reads in `group`. For Mamba state this is stated here rather
+    than taken from the connector's `restore_range`, so a connector that restored no state would fail the check:
+    vLLM resumes from the state in block `hit / b - 1`, and only at a block boundary."""
+    if group.kind is not GroupKind.MAMBA:
+        return group.restore_range(hit)
+    if hit % group.block_size:
+        raise LoadContentError(f"{rid}: loaded {hit} tokens, not a boundary of Mamba group {group.index}'s "
+                               f"{group.block_size}-token blocks")
+    return range(hit // group.block_size - 1, hit // group.block_size)

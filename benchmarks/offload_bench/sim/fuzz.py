@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import random
 from dataclasses import dataclass, field
 from typing import Any
@@ -145,13 +146,30 @@ def random_case(rng: random.Random) -> FuzzCase:
     for _ in range(rng.randint(1, 5)):
         first = rng.randint(40, 3000)
         sessions.append((first, rng.randint(1, 6), rng.randint(0, first + 6), rng.randint(1, 1200)))
-    return FuzzCase(
+    case = FuzzCase(
         groups=tuple(groups), max_num_batched_tokens=rng.choice([64, 128, 256, 512]),
         pool_factor=rng.uniform(1.05, 3.0), sessions=tuple(sessions), reset_prefix_cache=rng.random() < 0.7,
         return_gaps=tuple(rng.choice([0, 0, 1, 3, 10]) for _ in sessions), latency_steps=rng.randint(1, 4),
         seed=(seed := rng.randrange(1 << 30)), num_spec_tokens=rng.choice(SPEC_TOKENS),
         spec_method=rng.choice(spec_methods_for(groups)),
         pipeline_parallel_size=random.Random(seed ^ 0x9E3779B9).choice(PP_SIZES))
+    return with_mamba(case, random.Random(seed ^ 0x6D616D62))
+
+
+def with_mamba(case: FuzzCase, rng: random.Random) -> FuzzCase:
+    """A third of the cases become Mamba hybrids, drawn from the case's own seed so that every other case keeps the
+    layout, sessions and settings it had before Mamba groups were simulated. vLLM's align mode gives attention and
+    Mamba groups one block size; chunked local attention needs one block size too, so those cases stay as they are.
+    Mamba state under speculative decoding is refused by the connector (not modelled yet): those cases draw none."""
+    if rng.random() >= 1 / 3 or any(kind == "chunked" for kind, _, _ in case.groups):
+        return case
+    bs = rng.choice([16, 32, 64])
+    groups = [(kind, bs, extent) for kind, _, extent in case.groups]
+    for _ in range(rng.randint(1, 3)):
+        groups.insert(rng.randint(0, len(groups)), ("mamba", bs, rng.choice([0, 1])))
+    if not any(kind in ("full", "mla") for kind, _, _ in groups):
+        groups.insert(0, ("full", bs, 0))
+    return dataclasses.replace(case, groups=tuple(groups), num_spec_tokens=0)
 
 
 def _chunk(rng: random.Random, block_size: int) -> int:
