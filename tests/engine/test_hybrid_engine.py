@@ -103,3 +103,43 @@ def test_a_corrupted_state_changes_the_output(baseline: dict, offloaded: dict) -
     # Every layer of one DeltaNet group's loaded state block: conv and SSM states.
     assert len(offloaded["corrupted"][0]["kv_shapes"]) == 2
     assert corrupt["token_ids"] != _out(baseline, "reload")["token_ids"]
+
+
+# ---- the disk tier: a restarted engine resumes from the states the previous one wrote through to disk.
+IDLE = {"stall_steps": 5000, "stall_wall_s": 120}  # a read-back runs on a thread pool while the engine idles
+
+
+def test_a_restarted_engine_resumes_from_the_state_on_disk(qwen_dir: str, baseline: dict, tmp_path) -> None:
+    from tests.engine_helpers import drained
+
+    kv = connector_config(cpu_bytes="64Mi", disk_path=str(tmp_path), disk_bytes="64Mi")
+    script = _script(qwen_dir, kv)
+    warm, reload = script["actions"][1], script["actions"][3]
+    first = run_engine({**script, "actions": [warm, {"op": "drain"}]}, timeout=420)
+    drained(first)
+    restarted = run_engine({**script, "actions": [{**reload, **IDLE}, {"op": "drain"}]}, timeout=420)
+    got = _out(restarted, "reload")
+    assert got["external_tokens"] == PREFIX, got
+    assert got["token_ids"] == _out(baseline, "reload")["token_ids"]
+    assert restarted["disk"]["recovered"] > 0
+    metrics = next(a["metrics"] for a in restarted["actions"] if "reload" in a.get("outputs", {}))
+    # 2 full-attention blocks and one state block per DeltaNet group, all read back from the file.
+    assert metrics.get("vllm:offload_connector_disk_tier_read_back_blocks") == 2 + 3
+    assert metrics.get("vllm:offload_connector_loaded_tokens") == PREFIX
+
+
+# ---- tensor parallelism: every rank restores its shard of the DeltaNet state (GDN state is sharded over heads).
+def test_tp2_reloads_each_ranks_state_shard(qwen_dir: str) -> None:
+    from tests.engine_helpers import omp_bind_one_core_per_rank, run_engine_logged
+
+    env = {"VLLM_CPU_OMP_THREADS_BIND": omp_bind_one_core_per_rank(2), "VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
+    runs = {}
+    for name, kv in (("base", None), ("offload", connector_config(cpu_bytes="256Mi"))):
+        script = _script(qwen_dir, kv)
+        script["engine"].update(tensor_parallel_size=2, distributed_executor_backend="mp")
+        script["actions"] = script["actions"][:4]
+        runs[name] = run_engine_logged(script, timeout=480, env=env)
+    got = _out(runs["offload"], "reload")
+    assert got["external_tokens"] == PREFIX, got
+    assert got["token_ids"] == _out(runs["base"], "reload")["token_ids"]
+    assert _out(runs["base"], "reload")["num_cached_tokens"] == 0
