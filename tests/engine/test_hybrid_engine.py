@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.engine_helpers import connector_config, run_engine, vllm_cpu_version, word_prompt, words
+from tests.engine_helpers import connector_config, output_of as _out, run_engine, vllm_cpu_version, word_prompt, words
 
 if vllm_cpu_version() is None:
     pytest.skip("engine tests need the vllm-cpu distribution (a real engine on CPU)", allow_module_level=True)
@@ -57,13 +57,6 @@ def _script(model_dir: str, kv: dict | None) -> dict:
     return {"model": model_dir, "engine": {"block_size": BLOCK, "max_model_len": 1024, "max_num_batched_tokens": 256,
                                            "dtype": "bfloat16"},
             "kv_transfer_config": kv, "wall_s": 400, "actions": actions}
-
-
-def _out(res: dict, rid: str) -> dict:
-    for a in res["actions"]:
-        if a["op"] == "generate" and rid in a.get("outputs", {}):
-            return a["outputs"][rid]
-    raise AssertionError(f"no output for {rid}: {[a.get('unfinished') for a in res['actions']]}")
 
 
 @pytest.fixture(scope="module")

@@ -17,7 +17,8 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from offload_bench.sim.fuzz import PP_SIZES, FuzzCase, random_case, run_case
+from offload_bench.sim.fuzz import FuzzCase, random_case, run_case
+from tests.sim.strategies import fuzz_case
 
 ATTENTION = ["full", "mla", "sliding", "sliding_mla"]
 
@@ -32,16 +33,7 @@ def hybrid_cases(draw):
         groups.append((kind, bs, extent))
     for _ in range(draw(st.integers(1, 3))):
         groups.insert(draw(st.integers(0, len(groups))), ("mamba", bs, draw(st.sampled_from([0, 1]))))
-    sessions = []
-    for _ in range(draw(st.integers(1, 5))):
-        first = draw(st.integers(40, 2500))
-        sessions.append((first, draw(st.integers(1, 6)), draw(st.integers(0, first + 6)), draw(st.integers(1, 1000))))
-    return FuzzCase(
-        groups=tuple(groups), max_num_batched_tokens=draw(st.sampled_from([64, 128, 256, 512])),
-        pool_factor=draw(st.floats(1.05, 3.0)), sessions=tuple(sessions), reset_prefix_cache=draw(st.booleans()),
-        return_gaps=tuple(draw(st.sampled_from([0, 0, 1, 3, 10])) for _ in sessions),
-        latency_steps=draw(st.integers(1, 4)), seed=draw(st.integers(0, 1 << 30)),
-        pipeline_parallel_size=draw(st.sampled_from(PP_SIZES)))
+    return fuzz_case(draw, groups, speculative=False)
 
 
 @settings(max_examples=int(os.environ.get("OFFLOAD_PROPERTY_EXAMPLES", "60")), deadline=None,

@@ -15,7 +15,8 @@ import os
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from offload_bench.sim.fuzz import PP_SIZES, SPEC_TOKENS, FuzzCase, run_case, spec_methods_for
+from offload_bench.sim.fuzz import FuzzCase, run_case
+from tests.sim.strategies import fuzz_case
 
 KINDS = ["full", "mla", "sliding", "sliding_mla", "chunked"]
 
@@ -37,18 +38,7 @@ def cases(draw):
         elif kind == "chunked":
             extent = draw(st.sampled_from([2 * bs, 4 * bs, 8 * bs, 100, 40]))
         groups.append((kind, bs, extent))
-    sessions = []
-    for _ in range(draw(st.integers(1, 5))):
-        first = draw(st.integers(40, 2500))
-        sessions.append((first, draw(st.integers(1, 6)), draw(st.integers(0, first + 6)), draw(st.integers(1, 1000))))
-    return FuzzCase(
-        groups=tuple(groups), max_num_batched_tokens=draw(st.sampled_from([64, 128, 256, 512])),
-        pool_factor=draw(st.floats(1.05, 3.0)), sessions=tuple(sessions), reset_prefix_cache=draw(st.booleans()),
-        return_gaps=tuple(draw(st.sampled_from([0, 0, 1, 3, 10])) for _ in sessions),
-        latency_steps=draw(st.integers(1, 4)), seed=draw(st.integers(0, 1 << 30)),
-        num_spec_tokens=draw(st.sampled_from(SPEC_TOKENS)),
-        spec_method=draw(st.sampled_from(spec_methods_for(groups))),
-        pipeline_parallel_size=draw(st.sampled_from(PP_SIZES)))
+    return fuzz_case(draw, groups)
 
 
 @settings(max_examples=int(os.environ.get("OFFLOAD_PROPERTY_EXAMPLES", "60")), deadline=None,
