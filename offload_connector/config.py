@@ -583,6 +583,24 @@ def _choice(key: str, value: Any, accepted: tuple[str, ...]) -> str:
 
 
 # ------------------------------------------------------------------------------------------- start-up
+def check_recurrent_state(vllm_config: VllmConfig) -> None:
+    """A model with Mamba/linear-attention state is offloaded only in vLLM's align mode and without speculative
+    decoding (`groups.describe_groups` refuses the same layouts later, from the KV cache groups; here it is one line
+    before any KV cache or connector exists)."""
+    mc = getattr(vllm_config, "model_config", None)
+    if mc is None or not (getattr(mc, "is_hybrid", False) or getattr(mc, "is_attention_free", False)):
+        return
+    arch = ",".join(getattr(mc, "architectures", None) or ["the model"])
+    mode = getattr(getattr(vllm_config, "cache_config", None), "mamba_cache_mode", "none")
+    if mode != "align":
+        raise ConfigError(f"offload_connector: {arch} keeps Mamba/linear-attention state and vLLM runs it in "
+                          f"mamba_cache_mode '{mode}'; the connector restores such state only in 'align' mode "
+                          f"(start vLLM with --enable-prefix-caching)")
+    if getattr(vllm_config, "speculative_config", None) is not None:
+        raise ConfigError(f"offload_connector: {arch} keeps Mamba/linear-attention state; the connector does not "
+                          f"offload it under speculative decoding yet (drop --speculative-config)")
+
+
 def check_at_startup(vllm_config: VllmConfig) -> OffloadConfig:
     """The whole start-up check on a VllmConfig: the keys (debug rank lists within the engine's worker ranks), then
     the host memory every local host tier needs.
@@ -591,6 +609,7 @@ def check_at_startup(vllm_config: VllmConfig) -> OffloadConfig:
     (`--kv-cache-memory-bytes`, which VLLM_CPU_KVCACHE_SPACE sets) is counted per worker as well.
     """
     cfg = OffloadConfig.from_extra_config(vllm_config.kv_transfer_config.kv_connector_extra_config)
+    check_recurrent_state(vllm_config)
     pc = getattr(vllm_config, "parallel_config", None)
     ranks = int(getattr(pc, "tensor_parallel_size", 1)) * int(getattr(pc, "pipeline_parallel_size", 1))
     for key in ("fail_load_ranks", "fail_store_ranks"):

@@ -407,3 +407,23 @@ def test_the_accepted_keys_name_the_section_not_the_aliases():
     with pytest.raises(ConfigError) as err:
         OffloadConfig.from_extra_config({"cpu_bytes": 10, "nope": 1})
     assert "'debug'" in str(err.value) and "debug_" not in str(err.value)
+
+
+def test_recurrent_state_outside_align_mode_or_with_drafts_is_one_line():
+    """A Mamba/GDN hybrid is refused before any KV cache exists unless vLLM runs it in align mode without drafts."""
+    from types import SimpleNamespace
+
+    from offload_connector.config import check_recurrent_state
+
+    def cfg(hybrid, mode, spec=None):
+        return SimpleNamespace(model_config=SimpleNamespace(is_hybrid=hybrid, is_attention_free=False,
+                                                            architectures=["Qwen3NextForCausalLM"]),
+                               cache_config=SimpleNamespace(mamba_cache_mode=mode), speculative_config=spec)
+
+    check_recurrent_state(cfg(False, "none"))  # attention only: nothing to check
+    check_recurrent_state(cfg(True, "align"))
+    with pytest.raises(ConfigError, match=r"^offload_connector: Qwen3NextForCausalLM .*'none'.*--enable-prefix"):
+        check_recurrent_state(cfg(True, "none"))
+    with pytest.raises(ConfigError, match="speculative decoding") as exc:
+        check_recurrent_state(cfg(True, "align", spec=object()))
+    assert "\n" not in str(exc.value)
