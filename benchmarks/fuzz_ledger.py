@@ -49,6 +49,7 @@ def main(argv: list[str] | None = None) -> int:
               "drafts_scheduled": 0, "drafts_accepted": 0}
     by_spec: dict[str, dict[str, int]] = {}
     by_pp: dict[str, dict[str, int]] = {}
+    by_family: dict[str, dict[str, int]] = {}  # Mamba hybrids apart from attention-only layouts
     failures = []
     start = time.time()
     it = range(args.examples)
@@ -61,12 +62,16 @@ def main(argv: list[str] | None = None) -> int:
         row["examples"] += 1
         pp_row = by_pp.setdefault(f"pp={case.pipeline_parallel_size}", {"examples": 0, "admitted_loads": 0, "failed": 0})
         pp_row["examples"] += 1
+        fam_row = by_family.setdefault("mamba hybrid" if any(g[0] == "mamba" for g in case.groups) else "attention only",
+                                       {"examples": 0, "admitted_loads": 0, "loaded_tokens": 0, "failed": 0})
+        fam_row["examples"] += 1
         try:
             out = run_case(case)
         except Exception as exc:  # an exception is a finding, not a crash of the benchmark
             totals["errors"] += 1
             row["failed"] += 1
             pp_row["failed"] += 1
+            fam_row["failed"] += 1
             failures.append({"case": repr(case), "error": repr(exc)})
             continue
         totals["mismatches"] += len(out.mismatches)
@@ -85,9 +90,12 @@ def main(argv: list[str] | None = None) -> int:
             totals[name] += getattr(out, name)
         row["admitted_loads"] += out.admissions
         pp_row["admitted_loads"] += out.admissions
+        fam_row["admitted_loads"] += out.admissions
+        fam_row["loaded_tokens"] += out.loaded_tokens
         if not out.ok:
             row["failed"] += 1
             pp_row["failed"] += 1
+            fam_row["failed"] += 1
             failures.append({"case": repr(case), "mismatches": out.mismatches[:3],
                              "peak_violations": out.peak_violations[:3], "stalls": out.stalls, "starved": out.starved[:3],
                              "idle_zero_steps": out.idle_zero_steps, "undrained": out.undrained})
@@ -100,6 +108,7 @@ def main(argv: list[str] | None = None) -> int:
     totals["seed"] = args.seed
     totals["by_spec"] = dict(sorted(by_spec.items()))
     totals["by_pp"] = dict(sorted(by_pp.items()))
+    totals["by_family"] = dict(sorted(by_family.items()))
     print(json.dumps(totals, indent=2))
     for f in failures[:10]:
         print("FAILURE", f)
