@@ -38,7 +38,7 @@ MAX_JOBS = 16
 
 
 def main(argv: list[str] | None = None) -> int:
-    from offload_bench.args import ArgError, OneLineParser, check_output_path, fail, float_in, int_in
+    from offload_bench.args import ArgError, OneLineParser, check_output_path, fail, float_in, int_in, write_failed
     from offload_bench.replay.command import MAX_SEED
     from offload_bench.soak.command import MAX_SIM_SECONDS
 
@@ -78,8 +78,7 @@ def main(argv: list[str] | None = None) -> int:
             with open(args.json, "w") as fh:
                 json.dump(outs, fh, indent=2, default=str)
         except OSError as err:  # checked before the run; the disk filled up or the directory went away since
-            print(f"{prog}: error: cannot write the results ({err})", file=sys.stderr)
-            return 1
+            return write_failed(prog, err)
     return 0 if all(o["ok"] for o in outs) else 1
 
 

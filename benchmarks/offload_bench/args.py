@@ -32,6 +32,13 @@ def fail(prog: str, message: Any) -> int:
     return 2
 
 
+def write_failed(prog: str, err: OSError) -> int:
+    """One line on stderr for results that could not be written after the run (the output was checked before it; the
+    disk filled up or the directory went away since); the exit status of a run that failed, not of a bad argument."""
+    print(f"{prog}: error: {one_line(f'cannot write the results ({err})')}", file=sys.stderr, flush=True)
+    return 1
+
+
 class OneLineParser(argparse.ArgumentParser):
     """argparse, but an error is one line (no usage block): `PROG: error: MESSAGE`, exit status 2."""
 

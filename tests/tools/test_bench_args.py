@@ -84,3 +84,11 @@ def test_the_load_path_walk_lists_the_files_a_load_enters(tmp_path: Path) -> Non
               "offload_connector/worker/landing.py"):
         assert files.get(f, 0) > 0, (f, files)
     assert f"{len(files)} files" in done.stdout
+
+
+def test_results_that_cannot_be_written_after_a_run_are_one_line_and_exit_1(capsys):
+    from offload_bench.args import write_failed
+
+    assert write_failed("replay", OSError(28, "No space left on device\n(while writing)")) == 1
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and err.startswith("replay: error: cannot write the results (")

@@ -24,8 +24,8 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any, Callable
 
-from offload_bench.args import (MAX_CPU_BYTES, ArgError, check_output_path, fail, float_in, int_in, one_line,
-                                parse_bytes, require_module)
+from offload_bench.args import (MAX_CPU_BYTES, ArgError, check_output_path, fail, float_in, int_in, parse_bytes,
+                                require_module, write_failed)
 from offload_bench.replay import CONNECTORS, MAX_ENGINES
 
 
@@ -623,8 +623,7 @@ def _run_and_report(args: argparse.Namespace, model: str, builders: list[tuple[s
 
             print(f"plot: {plot(out, args.plot)}")
     except OSError as err:  # checked before the run; the disk filled up or the directory went away since
-        print(f"{PROG}: error: {one_line(f'cannot write the results ({err})')}", file=sys.stderr)
-        return 1
+        return write_failed(PROG, err)
     return 0
 
 

@@ -68,7 +68,7 @@ def add_parser(sub: Any) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from offload_bench.args import ArgError, check_output_path, fail, one_line
+    from offload_bench.args import ArgError, check_output_path, fail, write_failed
     from offload_bench.replay.command import check_batch, check_progress, preflight
     from offload_bench.replay.timemodel import time_model_for
 
@@ -135,7 +135,6 @@ def run(args: argparse.Namespace) -> int:
             with open(args.json, "w") as fh:
                 json.dump(res.to_json(), fh, indent=2, default=str)
         except OSError as err:  # checked before the run; the disk filled up or the directory went away since
-            print(f"{PROG}: error: {one_line(f'cannot write the results ({err})')}", file=sys.stderr)
-            return 1
+            return write_failed(PROG, err)
         print(f"results: {args.json}")
     return 0 if res.ok else 1
