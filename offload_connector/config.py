@@ -591,6 +591,9 @@ def check_recurrent_state(vllm_config: VllmConfig) -> None:
     if mc is None or not (getattr(mc, "is_hybrid", False) or getattr(mc, "is_attention_free", False)):
         return
     arch = ",".join(getattr(mc, "architectures", None) or ["the model"])
+    if getattr(mc, "is_attention_free", False):
+        raise ConfigError(f"offload_connector: {arch} keeps only Mamba/linear-attention state (no attention); the "
+                          f"connector offloads such state only next to attention, in hybrid models")
     mode = getattr(getattr(vllm_config, "cache_config", None), "mamba_cache_mode", "none")
     if mode != "align":
         raise ConfigError(f"offload_connector: {arch} keeps Mamba/linear-attention state and vLLM runs it in "

@@ -427,3 +427,7 @@ def test_recurrent_state_outside_align_mode_or_with_drafts_is_one_line():
     with pytest.raises(ConfigError, match="speculative decoding") as exc:
         check_recurrent_state(cfg(True, "align", spec=object()))
     assert "\n" not in str(exc.value)
+    pure = cfg(False, "align")
+    pure.model_config.is_attention_free = True
+    with pytest.raises(ConfigError, match="only Mamba/linear-attention state"):
+        check_recurrent_state(pure)
