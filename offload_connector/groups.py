@@ -93,6 +93,17 @@ class GroupInfo:
         return range(self.first_live_block(num_tokens), num_tokens // self.block_size)
 
 
+def mamba_state_bytes(spec: object) -> int | None:
+    """Bytes of a Mamba/linear-attention layer's states in one block (None for attention): what the tier holds and
+    the worker copies per layer.
+
+    vLLM registers such a layer as one raw `[blocks, 1, 1, page]` view whose page is padded to the attention page;
+    the layer's states (conv, SSM; 0.34 rounds each to `state_alignment`) are packed from byte 0."""
+    if type(spec).__name__ != "MambaSpec":
+        return None
+    return int(spec.real_page_size_bytes)
+
+
 def group_block_bytes(group: KVCacheGroupSpec, kv_cache_config: KVCacheConfig) -> int:
     """Bytes one block of a KV cache group holds over all its layers (an upper bound where vLLM packs layers).
 
@@ -104,8 +115,7 @@ def group_block_bytes(group: KVCacheGroupSpec, kv_cache_config: KVCacheConfig) -
     spec = group.kv_cache_spec
     if type(spec).__name__ == "UniformTypeKVCacheSpecs":
         return spec.page_size_bytes
-    # A Mamba page is padded to the attention page; only its states are copied (`worker.layout.mamba_state_bytes`).
-    page = spec.real_page_size_bytes if type(spec).__name__ == "MambaSpec" else spec.page_size_bytes
+    page = mamba_state_bytes(spec) or spec.page_size_bytes  # a Mamba block copies its states, not the padded page
     nbytes = page * len(group.layer_names)
     tensors = getattr(kv_cache_config, "kv_cache_tensors", None) or []
     num_blocks = getattr(kv_cache_config, "num_blocks", 0) or 0

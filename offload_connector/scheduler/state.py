@@ -41,7 +41,7 @@ class Layout:
         num_spec = getattr(spec_cfg, "num_speculative_tokens", 0) or 0 if spec_cfg else 0
         lookahead = getattr(vllm_config, "num_lookahead_tokens", 0) or 0
         groups = tuple(describe_groups(kv_cache_config, _max_in_flight_tokens(vllm_config), lookahead,
-                                       int(getattr(vllm_config, "max_concurrent_batches", 1) or 1)))
+                                       _batches_in_flight(vllm_config)))
         return cls(
             groups=groups,
             alignment=hit_alignment(list(groups)),
@@ -125,9 +125,12 @@ def _gcd_block(groups: tuple[GroupInfo, ...]) -> int:
     return math.gcd(*(g.block_size for g in groups))
 
 
+def _batches_in_flight(vllm_config: VllmConfig) -> int:
+    return int(getattr(vllm_config, "max_concurrent_batches", 1) or 1)
+
+
 def _max_in_flight_tokens(vllm_config: VllmConfig) -> int:
     value = getattr(vllm_config, "max_in_flight_tokens", None)
     if value is not None:
         return int(value)
-    batches = getattr(vllm_config, "max_concurrent_batches", 1) or 1
-    return batches * vllm_config.scheduler_config.max_num_batched_tokens
+    return _batches_in_flight(vllm_config) * vllm_config.scheduler_config.max_num_batched_tokens

@@ -2,7 +2,7 @@
 
 vLLM hands `register_kv_caches` one typed tensor per attention layer with the block id in dim 0 (after
 `group_kernel_blocks` undoes kernel-block splitting), and one raw byte view per Mamba/linear-attention layer, whose
-states fill the start of each block's page (`mamba_state_bytes`). A block's data for one layer is one contiguous run of
+states fill the start of each block's page (`groups.mamba_state_bytes`). A block's data for one layer is one contiguous run of
 `page_bytes` (K and V share it); consecutive blocks are `stride(0)` apart, which exceeds the page when the layout
 packs several layers or groups into one block. Layers can alias the same bytes: vLLM lays every group's i-th layer
 over the same buffer (a block id belongs to one group at a time), and KV-sharing layers reuse their target's
@@ -18,6 +18,8 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Mapping
 
 import torch
+
+from offload_connector.groups import mamba_state_bytes
 
 if TYPE_CHECKING:
     from vllm.v1.kv_cache_interface import KVCacheConfig
@@ -68,16 +70,6 @@ def _byte_view(t: torch.Tensor, num_blocks: int, name: str) -> tuple[torch.Tenso
     view = torch.empty(0, dtype=torch.uint8, device=t.device).set_(
         t.untyped_storage(), t.storage_offset() * elem, (num_blocks, page), (row, 1))
     return view, page
-
-
-def mamba_state_bytes(spec: object) -> int | None:
-    """Bytes of a Mamba/linear-attention layer's states in one block (None for attention).
-
-    vLLM registers such a layer as one raw `[blocks, 1, 1, page]` view whose page is padded to the attention page;
-    the layer's states (conv, SSM; 0.34 rounds each to `state_alignment`) are packed from byte 0."""
-    if type(spec).__name__ != "MambaSpec":
-        return None
-    return int(spec.real_page_size_bytes)
 
 
 def build_layout(kv_caches: Mapping[str, object], kv_cache_config: KVCacheConfig
