@@ -169,3 +169,59 @@ def test_spare_entries_are_cleared_and_dropped_like_the_others():
     tier.clear()
     assert len(tier) == 0 and tier.evictable_keys() == []
     assert len(tier.begin_store(keys(4))) == 4
+
+
+# The spare target: room spare entries keep against regular stores, learnt from what served loads and from ghosts.
+
+@pytest.mark.parametrize("policy", ["lru", "slru", "arc"])
+def test_once_spare_entries_serve_loads_regular_stores_evict_regular_entries_before_spare_ones(policy):
+    tier = TierIndex(6, [10], policy=policy)
+    served = _stored(tier, keys(2, tag="s"), spare=True)
+    tier.pin(served)  # two spare entries served a load (and became regular): every block served was a spare one
+    tier.unpin(served)
+    assert tier.stats().spare_target == 6
+    spare = _stored(tier, keys(2, tag="t"), spare=True)
+    regular = _stored(tier, keys(2))  # full: 4 regular (2 served), 2 spare
+    assert tier.evictable_keys()[-2:] == spare[::-1]  # below its target the spare class goes last
+    tier.begin_store(keys(2, tag="b"))
+    assert all(tier.is_ready(k) for k in spare) and tier.spare_evictions == 0 and tier.evictions == 2
+    assert sum(tier.has(k) for k in served + regular) == 2
+    # A regular block serving a load moves the share back: 2 of 3 served blocks were spare, so 4 of 6 slots.
+    left = [k for k in served + regular if tier.has(k)]
+    tier.pin(left[:1])
+    assert tier.stats().spare_target == 4
+
+
+def test_below_its_target_a_spare_store_takes_a_regular_entrys_slot():
+    tier = TierIndex(3, [10])
+    served = _stored(tier, keys(1, tag="s"), spare=True)
+    tier.pin(served)
+    tier.unpin(served)
+    regular = _stored(tier, keys(2))  # full of regular entries; the target (3) is above the spare count (0)
+    got = tier.begin_store(keys(1, tag="t"), spare={(0, "t0")})
+    assert [k for k, _ in got] == [(0, "t0")] and tier.spare_skips == 0 and tier.evictions == 1
+    assert sum(tier.has(k) for k in served + regular) == 2
+
+
+def test_ghosts_move_the_target_by_the_blocks_each_class_missed():
+    tier = TierIndex(4, [10])
+    _stored(tier, keys(4))
+    spare = keys(2, tag="s")
+    tier.begin_store(spare, spare=set(spare))  # no room: skipped, remembered as spare ghosts
+    assert tier.spare_skips == 2 and all(tier.in_spare_ghost(k) for k in spare)
+    tier.ghost_hit(spare_blocks=2, regular_blocks=0)
+    assert tier.stats().spare_target == 2
+    tier.begin_store(keys(1, tag="b"))  # evicts a regular entry: a regular ghost
+    assert tier.in_regular_ghost((0, "a3")) and not tier.in_spare_ghost((0, "a3"))
+    tier.ghost_hit(spare_blocks=0, regular_blocks=3)
+    assert tier.stats().spare_target == 0  # never below 0
+    tier.clear()
+    assert not tier.in_spare_ghost(spare[1]) and not tier.in_regular_ghost((0, "a3"))
+
+
+def test_ghosts_are_bounded_by_the_tier_size():
+    tier = TierIndex(2, [10])
+    _stored(tier, keys(2))
+    spare = keys(5, tag="s")
+    tier.begin_store(spare, spare=set(spare))
+    assert [tier.in_spare_ghost(k) for k in spare] == [False, False, False, True, True]
