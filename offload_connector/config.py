@@ -80,10 +80,9 @@ class OffloadConfig:
     # None ("auto"): derived from the layout (`scheduler.windows.checkpoint_spacing`): a checkpoint's windows take at
     # most the host bytes of the full-attention KV between two checkpoints.
     window_checkpoint_tokens: int | None = None
-    # Every other window too, as spare entries: they take CPU-tier room no regular entry uses (a free slot or another
+    # Every other window too, as spare entries: they take only CPU-tier room nobody else uses (a free slot or another
     # spare entry's) and are evicted before anything else, so a tier with room resumes a prefix at any block boundary
-    # while a full one holds what it held without them; unless spare entries served loads or were missed, which
-    # earns them room against regular entries (the spare target, scheduler/tier_index.py).
+    # while a full one holds what it held without them (scheduler/tier_index.py).
     spare_windows: bool = True
     # Which idle CPU-tier entry a store evicts (scheduler/eviction/): "lru"; "slru" (segmented LRU: entries that
     # served a load go after every entry that never did, at most 30 % of the slots kept that way); "arc" (Adaptive

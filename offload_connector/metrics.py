@@ -38,7 +38,6 @@ labels):
 | `vllm:offload_connector_cpu_tier_usage_perc` | gauge | | scheduler | used / capacity, 0..1 (as `vllm:kv_cache_usage_perc`) |
 | `vllm:offload_connector_cpu_tier_evictions_total` | counter | | scheduler | CPU-tier entries evicted to make room |
 | `vllm:offload_connector_cpu_tier_eviction_bias` | gauge | | scheduler | `slru`'s probation bias (0 under `lru` and `arc`): ln of how much faster entries stored by requests that shared no prefix age than the others; above 0, one-shot prompts are evicted first |
-| `vllm:offload_connector_cpu_tier_spare_target_blocks` | gauge | | scheduler | slots the CPU tier keeps for spare windows against regular stores, learnt from the blocks that served loads and from evicted blocks later requests missed (0: spare windows are evicted first) |
 | `vllm:offload_connector_cpu_tier_store_rejections_total` | counter | | scheduler | blocks not stored: the tier was full of pinned entries |
 | `vllm:offload_connector_stalls_total` | counter | | scheduler | stalls the watchdog detected |
 | `vllm:offload_connector_stalled` | gauge | | scheduler | 1 while the watchdog sees a stall |
@@ -122,7 +121,6 @@ LOAD_SECONDS, STORE_SECONDS = "load_seconds", "store_seconds"
 TIER_USED, TIER_CAPACITY, DEFERRED_REQUESTS = "cpu_tier_used_blocks", "cpu_tier_capacity_blocks", "deferred_requests"
 STALLED = "stalled"
 EVICTION_BIAS = "cpu_tier_eviction_bias"
-SPARE_TARGET = "cpu_tier_spare_target_blocks"
 DISK_USED, DISK_CAPACITY = "disk_tier_used_blocks", "disk_tier_capacity_blocks"
 REMOTE_READ_BACK, REMOTE_WRITTEN, REMOTE_WRITE_SKIPS = "shared_tier_read_back_blocks", \
     "shared_tier_written_blocks", "shared_tier_write_skips"
@@ -134,8 +132,7 @@ _TIER_IO: dict[str, tuple[str, str, str]] = {
     "disk": (DISK_WRITTEN_BYTES, DISK_READ_BYTES, DISK_IO_FAILURES),
     "shared": (REMOTE_WRITTEN_BYTES, REMOTE_READ_BYTES, REMOTE_FAILURES),
 }
-_GAUGE_KEYS = (TIER_USED, TIER_CAPACITY, DEFERRED_REQUESTS, STALLED, DISK_USED, DISK_CAPACITY, EVICTION_BIAS,
-               SPARE_TARGET)
+_GAUGE_KEYS = (TIER_USED, TIER_CAPACITY, DEFERRED_REQUESTS, STALLED, DISK_USED, DISK_CAPACITY, EVICTION_BIAS)
 _DISK_COUNTERS = (DISK_EVICTIONS, DISK_READ_BACK, DISK_WRITE_SKIPS, DISK_WRITTEN_BYTES, DISK_READ_BYTES,
                   DISK_IO_FAILURES, REMOTE_READ_BACK, REMOTE_WRITTEN, REMOTE_WRITE_SKIPS, REMOTE_WRITTEN_BYTES,
                   REMOTE_READ_BYTES, REMOTE_FAILURES)
@@ -297,13 +294,11 @@ class OffloadStatsSink:
             self._stats.record_deferral(reason, count)
 
     def record_tier(self, used_slots: int, total_slots: int, evictions_total: int,
-                    store_rejections_total: int = 0, eviction_bias: float = 0.0, spare_target: int = 0) -> None:
+                    store_rejections_total: int = 0, eviction_bias: float = 0.0) -> None:
         """Scheduler side, any number of times per step. The `*_total` arguments are the tier's cumulative counts;
-        `eviction_bias` the policy's probation bias (`SegmentedLRUPolicy.bias`; 0 for a policy without one);
-        `spare_target` the slots kept for spare windows (`TierIndex.spare_target`)."""
+        `eviction_bias` the policy's probation bias (`SegmentedLRUPolicy.bias`; 0 for a policy without one)."""
         with self._lock:
             self._gauges[EVICTION_BIAS] = _sig(eviction_bias)
-            self._gauges[SPARE_TARGET] = spare_target
             rejected = store_rejections_total - self._rejections_seen \
                 if store_rejections_total >= self._rejections_seen else store_rejections_total
             self._rejections_seen = store_rejections_total

@@ -91,9 +91,6 @@ _GAUGES: dict[str, tuple[str, str]] = {
     m.EVICTION_BIAS: ("cpu_tier_eviction_bias", "slru's probation bias (0 under lru and arc): ln of how much faster "
                                                 "entries stored by requests that shared no prefix age than the "
                                                 "others; above 0, one-shot prompts are evicted first."),
-    m.SPARE_TARGET: ("cpu_tier_spare_target_blocks", "CPU-tier slots kept for spare windows against regular stores, "
-                                                     "learnt from the blocks that served loads and from evicted "
-                                                     "blocks later requests missed; 0: spare windows go first."),
     m.DISK_USED: ("disk_tier_used_blocks", "Disk-tier slots in use, per worker (every worker holds the same keys)."),
     m.DISK_CAPACITY: ("disk_tier_capacity_blocks", "Disk-tier slots in all, per worker."),
 }

@@ -18,7 +18,7 @@ from offload_connector.scheduler import ledger
 from offload_connector.scheduler.fairness import DeferredLoad, FairQueue
 from offload_connector.scheduler.second_tier import SecondTierPlanner
 from offload_connector.scheduler.jobs import JobBook
-from offload_connector.scheduler.lookup import full_prefix_tokens, ghost_misses, load_blocks, longest_hit
+from offload_connector.scheduler.lookup import full_prefix_tokens, longest_hit
 from offload_connector.scheduler.state import KVBinding, Layout, ReqState, SchedulerCounters
 from offload_connector.scheduler.stores import in_prefix_order
 from offload_connector.scheduler.tier_index import TierIndex
@@ -111,13 +111,6 @@ class AdmissionControl:
                 hit = longest_hit(layout.groups, keys, self.tier.is_ready, upper, layout.alignment, full_tokens=full)
         junction = full - full % layout.alignment
         state = self.requests.get(request.request_id)
-        if state is not None and state.unshared is None and layout.has_recycling:
-            # Its first lookup: would entries the CPU tier evicted lately have made the hit longer? That moves the
-            # room the tier keeps for spare windows (`TierIndex.ghost_hit`).
-            missed = [ghost_misses(layout.groups, keys, is_ready, ghost, upper, layout.alignment, local, hit)
-                      for ghost in (self.tier.in_spare_ghost, self.tier.in_regular_ghost)]
-            if any(missed):
-                self.tier.ghost_hit(*missed)
         if state is not None and state.unshared is None:
             # `full` is the whole prompt when no group is full attention: then only the hit and the GPU prefix tell.
             state.unshared = max(full if layout.has_full else 0, hit, local) == 0
@@ -138,8 +131,14 @@ class AdmissionControl:
         return longest_hit(self.layout.groups, keys, self.available, upper, self.layout.alignment, full_tokens=full)
 
     def load_keys(self, request: Request, local: int, hit: int) -> list[tuple[int, int, BlockKey]]:
-        """(group, block index, key) of every block a load of tokens `local`..`hit` copies (`lookup.load_blocks`)."""
-        return load_blocks(self.layout.groups, self.layout.keys(request), local, hit)
+        """(group, block index, key) of every block a load of tokens `local`..`hit` copies: each group's blocks from
+        the first one still in its window (or chunk) at `hit`, past what vLLM already has."""
+        keys = self.layout.keys(request)
+        out = []
+        for g in self.layout.groups:
+            start = max(local // g.block_size, g.first_live_block(hit))
+            out.extend((g.index, i, keys(g.index, i)) for i in range(start, hit // g.block_size))
+        return out
 
     def match(self, request: Request, state: ReqState, num_computed_tokens: int, step: int) -> tuple[int | None, bool]:
         """vLLM's `get_num_new_matched_tokens` for a request with no load in flight."""

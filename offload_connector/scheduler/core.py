@@ -292,8 +292,7 @@ class OffloadScheduler:
         # Called every step: only O(1) tier facts here (TierIndex.stats() walks every entry).
         bias = getattr(self.tier.policy, "bias", 0.0)
         self.stats.record_tier(self.tier.used_slots(), self.tier.capacity_slots, self.tier.evictions,
-                               self.tier.store_rejections, bias if isinstance(bias, (int, float)) else 0.0,
-                               self.tier.spare_target)
+                               self.tier.store_rejections, bias if isinstance(bias, (int, float)) else 0.0)
         self.stats.record_deferred_requests(
             sum(1 for s in self._requests.values() if s.deferred_since is not None))
         for second in self.second_tiers.values():

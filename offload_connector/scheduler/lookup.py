@@ -76,25 +76,3 @@ def longest_hit(groups: Sequence[GroupInfo], keys: BlockKeys, is_ready: Callable
         nxt = min(hit - alignment, missing_at)
         hit = nxt - nxt % alignment
     return 0
-
-
-def load_blocks(groups: Sequence[GroupInfo], keys: BlockKeys, local: int, hit: int) -> list[tuple[int, int, Hashable]]:
-    """(group, block index, key) of every block a load of tokens `local`..`hit` copies: each group's blocks from the
-    first one still in its window (or chunk) at `hit`, past the `local` tokens vLLM already has."""
-    out = []
-    for g in groups:
-        start = max(local // g.block_size, g.first_live_block(hit))
-        out.extend((g.index, i, keys(g.index, i)) for i in range(start, hit // g.block_size))
-    return out
-
-
-def ghost_misses(groups: Sequence[GroupInfo], keys: BlockKeys, is_ready: Callable[[Hashable], bool],
-                 ghost: Callable[[Hashable], bool], upper: int, alignment: int, local: int, hit: int) -> int:
-    """How many blocks `ghost` names (entries evicted lately) a load would have copied had they been kept, if keeping
-    them would have made the hit longer than `hit`; else 0."""
-    def ready(key: Hashable) -> bool:
-        return is_ready(key) or ghost(key)
-    longer = longest_hit(groups, keys, ready, upper, alignment)
-    if longer <= max(hit, local):
-        return 0
-    return sum(1 for _, _, key in load_blocks(groups, keys, local, longer) if not is_ready(key) and ghost(key))

@@ -12,21 +12,15 @@ index tells it when an entry is stored, becomes evictable, is pinned, serves a l
 a store or is dropped, and refuses a victim that is not a readable, unpinned entry.
 
 *Spare* entries are the ones a store marks so (windows of sliding-window and chunked-local groups at points no rule
-asked for, `scheduler/stores.py`): they take only room nobody else uses. A spare entry gets a free slot or the slot of
-another spare entry, never a regular entry's; when a regular store needs a slot, idle spare entries go first, oldest
-first, before the policy is asked; the policy never sees them. A spare entry that serves a load, or that a regular
-store offers again (`promote`), becomes a regular entry and the policy hears of it as newly stored. So a roomy tier
-holds every window, as vLLM's connector stores every block, and a full one holds what it held without them: unless
-the traffic shows that spare windows are worth more than the regular entries they would displace. Which class is
-worth room is learnt as ARC learns its split: the index remembers the keys it evicted of each class (ghosts, at
-most the tier's size each), and each new request's lookup reports how many ghost blocks of each class would have
-lengthened its hit (`ghost_hit`). The *spare target* (the spare entries kept against regular stores) is the tier's
-size times the share of loaded blocks that came from spare entries (decayed), raised by the spare blocks ghost hits
-missed and lowered by the regular ones. While the spare entries number more than the target, they go first, as
-before (the target starts at 0); below it, a spare store may take a regular entry's slot and a regular store evicts
-a regular entry. Traffic that never resumes where only a spare window was kept (one-shot prompts, returning
-conversations) never raises it; traffic that branches inside prompts (siblings of a long parent) does, by what it
-loads and misses, with no constant per layout.
+asked for, `scheduler/stores.py`): they take only room nobody else uses. A spare entry gets a free slot or the slot
+of another spare entry, never a regular entry's; when a regular store needs a slot, idle spare entries go first,
+before the policy is asked; the policy never sees them. Among spare entries, those stored by requests that shared no
+prefix when they arrived (one-shot prompts) go first, then the others, each oldest first: a later request that
+branches inside a prompt mostly branches from one that was itself shared (a system prompt, a document, a
+conversation), and one-shot traffic between a parent and its branches would otherwise evict the parent's fresh
+windows with its own. A spare entry that serves a load, or that a regular store offers again (`promote`), becomes a
+regular entry and the policy hears of it as newly stored. So a roomy tier holds every window, as vLLM's connector
+stores every block, and a full one holds exactly what it held without them.
 
 `clear()` (a cache reset) forgets every entry at once. An entry a copy still uses (pinned by an in-flight load, or
 being written by an in-flight store) leaves the index but keeps its slot, "retired": no lookup finds it and no store
@@ -54,6 +48,7 @@ class _Entry:
     ready: bool = False
     pins: int = 1  # created pinned by the store that fills it
     spare: bool = False
+    oneshot: bool = False  # stored by a request that shared no prefix when it arrived
 
 
 @dataclass(frozen=True)
@@ -68,7 +63,6 @@ class TierStats:
     spare_entries: int = 0
     spare_evictions: int = 0
     spare_skips: int = 0  # spare blocks not stored: no free or spare slot
-    spare_target: int = 0  # spare entries kept against regular stores (learnt from loads served and ghost hits)
     retired_slots: int = 0  # slots of entries a reset removed while a copy still used them
 
 
@@ -108,17 +102,10 @@ class TierIndex:
         self.store_rejections = 0
         # Idle (readable, unpinned) spare entries, oldest first: the first victims, unknown to the policy.
         self._spare: OrderedDict[Key, None] = OrderedDict()
+        self._spare_oneshot: OrderedDict[Key, None] = OrderedDict()  # of those, the ones of one-shot prompts
         self.spare_evictions = 0
         self.spare_skips = 0
         self._promoted_ready: list[Key] = []  # readable spare entries promoted since `take_promoted`
-        self._spare_n = 0  # spare entries, idle or not
-        self.spare_target = 0
-        self._served_spare = 0.0
-        self._served_regular = 0.0
-        self._ghost_bias = 0
-        # Keys evicted lately, per class, most recent last (each at most `capacity_slots` long).
-        self._ghost_spare: OrderedDict[Key, None] = OrderedDict()
-        self._ghost_regular: OrderedDict[Key, None] = OrderedDict()
         # Slots of entries removed by `clear()` while in-flight jobs used them -> jobs still to release each slot.
         self._retired: dict[int, int] = {}
         # Called with each key whose readable entry leaves the tier (eviction, drop, clear): KV cache events.
@@ -159,7 +146,6 @@ class TierIndex:
             spare_entries=sum(1 for e in self._entries.values() if e.spare),
             spare_evictions=self.spare_evictions,
             spare_skips=self.spare_skips,
-            spare_target=self.spare_target,
             retired_slots=len(self._retired),
         )
 
@@ -179,45 +165,10 @@ class TierIndex:
         return entry is not None and entry.spare
 
     def evictable_keys(self) -> list[Key]:
-        """The evictable entries in eviction order (first victim first) while the spare share stays on its side of
-        the target: idle spare entries first when they number more than it, else the policy's first."""
-        if self._spare_n > self.spare_target:
-            return [*self._spare, *self.policy.evictable_keys()]
-        return [*self.policy.evictable_keys(), *self._spare]
-
-    def in_spare_ghost(self, key: Key) -> bool:
-        """A spare entry of this key was evicted lately (and not stored since)."""
-        return key in self._ghost_spare
-
-    def in_regular_ghost(self, key: Key) -> bool:
-        """A regular entry of this key was evicted lately (and not stored since)."""
-        return key in self._ghost_regular
-
-    def _count_served(self, spare: bool) -> None:
-        # Blocks that served loads, by the class they were stored in; both halved whenever they reach twice the tier's
-        # size, so the share follows the recent traffic.
-        if spare:
-            self._served_spare += 1.0
-        else:
-            self._served_regular += 1.0
-        total = self._served_spare + self._served_regular
-        if total > 2 * self.capacity_slots:
-            self._served_spare /= 2
-            self._served_regular /= 2
-        self._set_target()
-
-    def _set_target(self) -> None:
-        total = self._served_spare + self._served_regular
-        share = self._served_spare / total if total else 0.0
-        self.spare_target = max(0, min(self.capacity_slots, round(share * self.capacity_slots) + self._ghost_bias))
-
-    def ghost_hit(self, spare_blocks: int, regular_blocks: int) -> None:
-        """A lookup would have hit further had these evicted blocks been kept: `spare_blocks` of spare entries, or
-        `regular_blocks` of regular ones (each 0 if keeping that class alone would not have lengthened it). Moves the
-        spare target towards the class that missed, by the blocks it missed."""
-        self._ghost_bias = max(-self.capacity_slots, min(self.capacity_slots,
-                                                        self._ghost_bias + spare_blocks - regular_blocks))
-        self._set_target()
+        """The evictable entries in eviction order (first victim first): idle spare entries (one-shot prompts' first),
+        then the policy's."""
+        return [*self._spare_oneshot, *(k for k in self._spare if k not in self._spare_oneshot),
+                *self.policy.evictable_keys()]
 
     def pin_count(self, key: Key) -> int:
         entry = self._entries.get(key)
@@ -250,29 +201,23 @@ class TierIndex:
                     elif entry.ready:
                         again.append(key)
                 elif key in self._spare:  # a spare offer says nothing to the policy
-                    self._spare.move_to_end(key)
+                    self._renew_spare(key)
                 continue
             if is_spare:
                 slot = self._free_slot()
-                if slot is None and self._spare_n < self.spare_target:
-                    slot = self._evict_regular()  # below its target, the spare class grows into regular room
                 if slot is None and self._spare:
                     slot = self._evict_spare()
                 if slot is None:
                     self.spare_skips += 1
-                    _remember(self._ghost_spare, key, self.capacity_slots)  # not kept: as good as evicted
                     continue
-                self._spare_n += 1
             else:
                 slot = self._take_slot()
                 if slot is None:
                     self.store_rejections += 1
                     break
             nbytes = self._group_bytes[key[0]]
-            self._entries[key] = _Entry(slot=slot, nbytes=nbytes, spare=is_spare)
+            self._entries[key] = _Entry(slot=slot, nbytes=nbytes, spare=is_spare, oneshot=unshared)
             self._used_bytes += nbytes
-            self._ghost_spare.pop(key, None)
-            self._ghost_regular.pop(key, None)
             if not is_spare:
                 self.policy.stored(key)
                 if hint is not None:
@@ -290,8 +235,7 @@ class TierIndex:
             if entry is None or not entry.spare:
                 continue
             entry.spare = False
-            self._spare_n -= 1
-            self._spare.pop(key, None)
+            self._unspare(key)
             self.policy.stored(key)
             if entry.ready:
                 self._promoted_ready.append(key)
@@ -329,15 +273,12 @@ class TierIndex:
             if not entry.ready:
                 raise KeyError(f"tier entry {key!r} is not readable yet")
             entry.pins += 1
-            was_spare = entry.spare
             if not entry.spare:
                 self.policy.pin(key)
             else:
-                self._spare.pop(key, None)
+                self._unspare(key)
                 if served:  # it served a load: a regular entry from now on (the policy hears it stored, pinned)
                     self.promote([key])
-            if served:
-                self._count_served(was_spare)
             if served and not entry.spare:
                 self.policy.loaded(key)
             slots.append(entry.slot)
@@ -368,7 +309,7 @@ class TierIndex:
             if not entry.spare:
                 self.policy.touch(key)
             elif key in self._spare:
-                self._spare.move_to_end(key)
+                self._renew_spare(key)
 
     def drop(self, keys: Iterable[Key]) -> None:
         """Forget the entries of a failed load. Entries another load still pins are kept: its copy is reading them,
@@ -393,9 +334,7 @@ class TierIndex:
                 self._free_slots.append(entry.slot)
         self._entries.clear()
         self._spare.clear()
-        self._spare_n = 0
-        self._ghost_spare.clear()
-        self._ghost_regular.clear()
+        self._spare_oneshot.clear()
         self._promoted_ready.clear()
         self.policy.clear()
         self._used_bytes = 0
@@ -437,19 +376,11 @@ class TierIndex:
         return None
 
     def _take_slot(self) -> int | None:
-        """A slot for a regular entry: a free one, else an idle spare entry's while the spare entries number more
-        than their target, else the policy's victim's, else any idle spare entry's."""
         slot = self._free_slot()
         if slot is not None:
             return slot
-        if self._spare and self._spare_n > self.spare_target:
+        if self._spare:
             return self._evict_spare()
-        slot = self._evict_regular()
-        if slot is None and self._spare:
-            slot = self._evict_spare()
-        return slot
-
-    def _evict_regular(self) -> int | None:
         victim = self.policy.victim()
         if victim is None:
             return None
@@ -460,19 +391,17 @@ class TierIndex:
         self.evictions += 1
         del self._entries[victim]
         self._used_bytes -= entry.nbytes
-        _remember(self._ghost_regular, victim, self.capacity_slots)
         if self.on_removed is not None:
             self.on_removed(victim)
         return entry.slot
 
     def _evict_spare(self) -> int:
-        key, _ = self._spare.popitem(last=False)
+        key = next(iter(self._spare_oneshot or self._spare))
+        self._unspare(key)
         entry = self._entries.pop(key)
         self.evictions += 1
         self.spare_evictions += 1
-        self._spare_n -= 1
         self._used_bytes -= entry.nbytes
-        _remember(self._ghost_spare, key, self.capacity_slots)
         if self.on_removed is not None:
             self.on_removed(key)
         return entry.slot
@@ -482,14 +411,16 @@ class TierIndex:
         if entry.spare:
             self._spare[key] = None
             self._spare.move_to_end(key)
+            if entry.oneshot:
+                self._spare_oneshot[key] = None
+                self._spare_oneshot.move_to_end(key)
         else:
             self.policy.release(key)
 
     def _drop(self, key: Key, free_slot: bool = True) -> None:
         entry = self._entries.pop(key)
         if entry.spare:
-            self._spare.pop(key, None)
-            self._spare_n -= 1
+            self._unspare(key)
         else:
             self.policy.removed(key)
         self._used_bytes -= entry.nbytes
@@ -498,9 +429,12 @@ class TierIndex:
         if entry.ready and self.on_removed is not None:  # an unpublished entry was never announced
             self.on_removed(key)
 
+    def _renew_spare(self, key: Key) -> None:
+        """An idle spare entry was offered or touched again: the recent end of its list."""
+        self._spare.move_to_end(key)
+        if key in self._spare_oneshot:
+            self._spare_oneshot.move_to_end(key)
 
-def _remember(ghosts: OrderedDict[Key, None], key: Key, limit: int) -> None:
-    ghosts[key] = None
-    ghosts.move_to_end(key)
-    if len(ghosts) > limit:
-        ghosts.popitem(last=False)
+    def _unspare(self, key: Key) -> None:
+        self._spare.pop(key, None)
+        self._spare_oneshot.pop(key, None)

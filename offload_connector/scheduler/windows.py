@@ -22,8 +22,7 @@ the prompt useless (its full-attention blocks are there, its window is not). The
 Every other boundary's window is stored as a *spare* (`spare_windows`, on by default): in CPU-tier room no regular
 entry uses, evicted before anything else (`tier_index.py`). A tier with room then resumes any prefix at its last
 block boundary, whatever the window, the block sizes or where the traffic shares prefixes; a tier under pressure
-keeps the points above, plus as many spare windows as the traffic has shown to be worth (the tier's spare target:
-where requests branch inside prompts, spare windows serve loads and keep room against regular entries). Chunked-local groups are stored regular at those boundaries instead (`stores.py`): a chunk's
+keeps the points above. Chunked-local groups are stored regular at those boundaries instead (`stores.py`): a chunk's
 windows nest, so each of its blocks serves every later point of the chunk, as a full-attention block does.
 """
 

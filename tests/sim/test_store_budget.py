@@ -100,28 +100,3 @@ def test_spare_windows_leave_the_regular_entries_as_they_were(slots):
         assert stats.spare_entries > 1000 and stats.evictions == 0
     else:
         assert stats.spare_evictions > 0 and stats.used_slots == slots
-
-
-def test_a_branch_whose_window_was_evicted_as_spare_earns_spare_windows_room():
-    """A tier too small for a 6,000-token prompt's spare windows evicts its early ones; a request that shares the
-    prompt's first 3,000 tokens finds their full-attention blocks but not the window there. Its lookup tells the tier
-    which evicted spare blocks it missed (a ghost hit), and the tier keeps that many slots for spare windows from then
-    on (`spare_target`), where before it kept none."""
-    vc = build_vllm_config("gemma-4-31b", max_model_len=32768, max_num_batched_tokens=1024, num_gpu_blocks=2188,
-                           kv_transfer_config=connector_config("exact", 1200 * 2_621_440))
-    sim = build_sim_model("gemma-4-31b", vllm_config=vc, num_blocks=2188)
-    drv = SchedulerDriver(build_scheduler(sim, vc), TagCopier(1))
-    tier = drv.side.tier
-    missed = []
-    report = tier.ghost_hit
-    tier.ghost_hit = lambda spare, regular: (missed.append((spare, regular)), report(spare, regular))
-    parent = tokens(3, 6_000)
-    drv.add([make_request("parent", parent, 16, sim.hash_block_size)])
-    assert not drv.run().stalled
-    assert tier.spare_evictions > 0 and tier.spare_target == 0
-    branch = make_request("branch", parent[:3_000] + tokens(4, 500), 16, sim.hash_block_size)
-    drv.add([branch])
-    assert not drv.run().stalled and drv.idle_invariant()
-    window_blocks = sum(len(g.restore_range(2_992)) for g in drv.side.groups if g.recycling)
-    assert len(missed) == 1 and missed[0][1] == 0 and 0 < missed[0][0] <= window_blocks
-    assert tier.spare_target == missed[0][0]

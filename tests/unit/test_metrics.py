@@ -158,8 +158,7 @@ def test_sink_evictions_delta_and_gauges_sent_only_on_change() -> None:
     sink.record_deferred_requests(1)
     s = sink.take()
     assert s is not None and s.data[m.COUNTERS] == {}
-    assert s.data[m.GAUGES] == {m.TIER_USED: 5, m.TIER_CAPACITY: 10, m.DEFERRED_REQUESTS: 1, m.EVICTION_BIAS: 0.0,
-                                m.SPARE_TARGET: 0}
+    assert s.data[m.GAUGES] == {m.TIER_USED: 5, m.TIER_CAPACITY: 10, m.DEFERRED_REQUESTS: 1, m.EVICTION_BIAS: 0.0}
     sink.record_tier(5, 10, 0)
     sink.record_deferred_requests(1)
     assert sink.take() is None  # nothing changed: an idle engine sends nothing
@@ -168,7 +167,7 @@ def test_sink_evictions_delta_and_gauges_sent_only_on_change() -> None:
     s = sink.take()
     assert s.data[m.COUNTERS] == {m.EVICTIONS: 7}
     assert s.data[m.GAUGES] == {m.TIER_USED: 10, m.TIER_CAPACITY: 10, m.DEFERRED_REQUESTS: 1,
-                                m.EVICTION_BIAS: 0.0, m.SPARE_TARGET: 0}  # sent as a set
+                                m.EVICTION_BIAS: 0.0}  # sent as a set
     sink.record_tier(1, 10, 2)  # the tier was rebuilt (reset): its count restarts
     assert sink.take().data[m.COUNTERS] == {m.EVICTIONS: 2}
 
@@ -418,21 +417,6 @@ def test_eviction_bias_is_a_gauge_sent_when_it_moves_and_exported():
     prom.observe(stats.to_dict(), engine_idx=0)
     assert _samples(reg)[("vllm:offload_connector_cpu_tier_eviction_bias", (("engine", "0"), ("model_name", "m")))] \
         == -0.5
-
-
-def test_spare_target_is_a_gauge_sent_when_it_moves_and_exported():
-    sink = m.OffloadStatsSink()
-    sink.record_tier(4, 8, evictions_total=0, spare_target=6)
-    assert sink.take().data[m.GAUGES][m.SPARE_TARGET] == 6
-    sink.record_tier(4, 8, evictions_total=0, spare_target=6)
-    assert sink.take() is None
-    sink.record_tier(4, 8, evictions_total=0, spare_target=2)
-    stats = sink.take()
-    reg = CollectorRegistry()
-    prom = build_prom_metrics(_cfg(), _fresh_types(reg), LABELNAMES, {0: ["m", "0"]})
-    prom.observe(stats.to_dict(), engine_idx=0)
-    assert _samples(reg)[("vllm:offload_connector_cpu_tier_spare_target_blocks",
-                          (("engine", "0"), ("model_name", "m")))] == 2
 
 
 def test_loads_reported_early_are_counted_and_exported():

@@ -171,57 +171,33 @@ def test_spare_entries_are_cleared_and_dropped_like_the_others():
     assert len(tier.begin_store(keys(4))) == 4
 
 
-# The spare target: room spare entries keep against regular stores, learnt from what served loads and from ghosts.
-
 @pytest.mark.parametrize("policy", ["lru", "slru", "arc"])
-def test_once_spare_entries_serve_loads_regular_stores_evict_regular_entries_before_spare_ones(policy):
+def test_spare_entries_of_one_shot_prompts_are_evicted_before_the_others(policy):
     tier = TierIndex(6, [10], policy=policy)
-    served = _stored(tier, keys(2, tag="s"), spare=True)
-    tier.pin(served)  # two spare entries served a load (and became regular): every block served was a spare one
-    tier.unpin(served)
-    assert tier.stats().spare_target == 6
-    spare = _stored(tier, keys(2, tag="t"), spare=True)
-    regular = _stored(tier, keys(2))  # full: 4 regular (2 served), 2 spare
-    assert tier.evictable_keys()[-2:] == spare[::-1]  # below its target the spare class goes last
-    tier.begin_store(keys(2, tag="b"))
-    assert all(tier.is_ready(k) for k in spare) and tier.spare_evictions == 0 and tier.evictions == 2
-    assert sum(tier.has(k) for k in served + regular) == 2
-    # A regular block serving a load moves the share back: 2 of 3 served blocks were spare, so 4 of 6 slots.
-    left = [k for k in served + regular if tier.has(k)]
-    tier.pin(left[:1])
-    assert tier.stats().spare_target == 4
+    shared = keys(2, tag="p")  # windows of a prompt that shared a prefix when it arrived (a parent of later branches)
+    tier.begin_store(shared, spare=set(shared))
+    tier.finish_store(shared)
+    oneshot = keys(2, tag="o")  # and, stored after them, of a prompt that shared nothing
+    tier.begin_store(oneshot, unshared=True, spare=set(oneshot))
+    tier.finish_store(oneshot)
+    assert tier.evictable_keys()[:4] == [oneshot[1], oneshot[0], shared[1], shared[0]]
+    regular = _stored(tier, keys(4))  # two free slots, then the one-shot prompt's windows, though newer
+    assert all(tier.is_ready(k) for k in regular + shared) and not any(tier.has(k) for k in oneshot)
+    more = keys(1, tag="b")
+    tier.begin_store(more)  # then the others, oldest first
+    assert not tier.has(shared[1]) and tier.is_ready(shared[0])
+    assert tier.spare_evictions == 3 and all(tier.has(k) for k in regular)
 
 
-def test_below_its_target_a_spare_store_takes_a_regular_entrys_slot():
+def test_a_spare_entry_offered_again_is_renewed_within_its_class():
     tier = TierIndex(3, [10])
-    served = _stored(tier, keys(1, tag="s"), spare=True)
-    tier.pin(served)
-    tier.unpin(served)
-    regular = _stored(tier, keys(2))  # full of regular entries; the target (3) is above the spare count (0)
-    got = tier.begin_store(keys(1, tag="t"), spare={(0, "t0")})
-    assert [k for k, _ in got] == [(0, "t0")] and tier.spare_skips == 0 and tier.evictions == 1
-    assert sum(tier.has(k) for k in served + regular) == 2
-
-
-def test_ghosts_move_the_target_by_the_blocks_each_class_missed():
-    tier = TierIndex(4, [10])
-    _stored(tier, keys(4))
-    spare = keys(2, tag="s")
-    tier.begin_store(spare, spare=set(spare))  # no room: skipped, remembered as spare ghosts
-    assert tier.spare_skips == 2 and all(tier.in_spare_ghost(k) for k in spare)
-    tier.ghost_hit(spare_blocks=2, regular_blocks=0)
-    assert tier.stats().spare_target == 2
-    tier.begin_store(keys(1, tag="b"))  # evicts a regular entry: a regular ghost
-    assert tier.in_regular_ghost((0, "a3")) and not tier.in_spare_ghost((0, "a3"))
-    tier.ghost_hit(spare_blocks=0, regular_blocks=3)
-    assert tier.stats().spare_target == 0  # never below 0
+    oneshot = keys(2, tag="o")
+    tier.begin_store(oneshot, unshared=True, spare=set(oneshot))
+    tier.finish_store(oneshot)
+    tier.begin_store(oneshot[:1], spare={oneshot[0]})  # offered again: the recent end
+    assert tier.evictable_keys() == [oneshot[1], oneshot[0]]
+    tier.pin(oneshot[:1])  # served a load: regular now, out of both spare lists
+    tier.unpin(oneshot[:1])
+    assert tier.evictable_keys()[0] == oneshot[1] and not tier.is_spare(oneshot[0])
     tier.clear()
-    assert not tier.in_spare_ghost(spare[1]) and not tier.in_regular_ghost((0, "a3"))
-
-
-def test_ghosts_are_bounded_by_the_tier_size():
-    tier = TierIndex(2, [10])
-    _stored(tier, keys(2))
-    spare = keys(5, tag="s")
-    tier.begin_store(spare, spare=set(spare))
-    assert [tier.in_spare_ghost(k) for k in spare] == [False, False, False, True, True]
+    assert tier.evictable_keys() == []
