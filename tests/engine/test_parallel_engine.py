@@ -27,9 +27,8 @@ import time
 import pytest
 
 from tests.engine_helpers import (
-    EngineRunError, connector_config, drained, omp_bind_one_core_per_rank, run_engine_logged, vllm_cpu_version,
-    word_prompt,
-    worker_host_tiers,
+    EngineRunError, connector_config, drained, omp_bind_one_core_per_rank, output_of, run_engine_logged,
+    vllm_cpu_version, word_prompt, worker_host_tiers,
 )
 
 if vllm_cpu_version() is None:
@@ -109,13 +108,6 @@ def _run(model_dir: str, layout: str, with_connector: bool) -> dict:
     return res
 
 
-def _out(res: dict, rid: str) -> dict:
-    for a in res["actions"]:
-        if a["op"] == "generate" and rid in a.get("outputs", {}):
-            return a["outputs"][rid]
-    raise AssertionError(f"no output for {rid}: {[a.get('unfinished') for a in res['actions']]}")
-
-
 def _metrics(res: dict, rid: str) -> dict:
     return next(a["metrics"] for a in res["actions"] if a["op"] == "generate" and rid in a.get("outputs", {}))
 
@@ -137,11 +129,11 @@ def test_reload_from_cpu_tier_matches_recompute(model_dir: str, layout: str) -> 
     base = _run(model_dir, layout, False)
     off = _run(model_dir, layout, True)
     print(f"\n{layout}: wall without connector {base['wall_s']} s, with {off['wall_s']} s")
-    q, other = _out(base, "q")["token_ids"], _out(base, "q-other")["token_ids"]
+    q, other = output_of(base, "q")["token_ids"], output_of(base, "q-other")["token_ids"]
     assert q != other and len(set(q)) > 2, (q, other)  # outputs read the context (not degenerate)
-    ref = _out(base, "reload")
+    ref = output_of(base, "reload")
     assert ref["num_cached_tokens"] == 0
-    got = _out(off, "reload")
+    got = output_of(off, "reload")
     assert got["external_tokens"] == PREFIX, got
     assert got["num_cached_tokens"] == PREFIX, got
     m = _metrics(off, "reload")
@@ -149,7 +141,7 @@ def test_reload_from_cpu_tier_matches_recompute(model_dir: str, layout: str) -> 
     assert m.get("vllm:offload_connector_loaded_tokens") == PREFIX, m
     assert got["token_ids"] == ref["token_ids"], (got["token_ids"], ref["token_ids"])
     for rid in ("q", "q-other", "warm"):
-        assert _out(off, rid)["token_ids"] == _out(base, rid)["token_ids"], rid
+        assert output_of(off, rid)["token_ids"] == output_of(base, rid)["token_ids"], rid
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
@@ -193,8 +185,8 @@ def test_tp2_restart_loads_from_every_ranks_disk_file(model_dir: str, tmp_path) 
     reload = {**store, "actions": [{"op": "generate", "stall_steps": 5000, "stall_wall_s": 120, "requests": [
         {"id": "reload", "prompt_token_ids": full, "max_tokens": GEN}]}]}
     res = run_engine_logged(reload, timeout=480, env=env)
-    out = _out(res, "reload")
+    out = output_of(res, "reload")
     assert out["external_tokens"] == PREFIX
-    assert out["token_ids"] == _out(baseline, "reload")["token_ids"]
+    assert out["token_ids"] == output_of(baseline, "reload")["token_ids"]
     assert res["disk"]["recovered"] > 0 and res["disk"]["dropped_at_start"] == 0
     assert _metrics(res, "reload")["vllm:offload_connector_loaded_tokens"] == PREFIX
