@@ -17,10 +17,14 @@ import pytest
 
 from layout_sweep import LAYOUTS, write_config
 from offload_bench.cli import main
+from offload_bench.sim.layouts import BLOCK_SIZE_ENV
 from offload_connector.scheduler import tier_index
 
 
-def _siblings_recomputed(tmp_path: Path, name: str) -> int:
+def _siblings_recomputed(tmp_path: Path, mp: pytest.MonkeyPatch, name: str) -> int:
+    # The replay's --block-size sets the variable for its process: set here first so that it is restored afterwards
+    # (the suite's later tests lay models out with the block size the suite pins).
+    mp.setenv(BLOCK_SIZE_ENV, "64")
     layout = next(lay for lay in LAYOUTS if lay.name == "gemma4-w4096-k5-b64")
     cfg = write_config(layout, tmp_path / "layouts")
     out = tmp_path / f"{name}.json"
@@ -31,8 +35,9 @@ def _siblings_recomputed(tmp_path: Path, name: str) -> int:
     return result["per_phase"]["siblings"]["recomputed_tokens"]
 
 
-def test_siblings_resume_inside_their_parents_prompts_despite_one_shot_traffic(tmp_path: Path) -> None:
-    assert _siblings_recomputed(tmp_path, "oneshot-first") == 0
+def test_siblings_resume_inside_their_parents_prompts_despite_one_shot_traffic(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    assert _siblings_recomputed(tmp_path, monkeypatch, "oneshot-first") == 0
 
 
 def test_with_one_spare_list_the_siblings_recompute(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -43,4 +48,4 @@ def test_with_one_spare_list_the_siblings_recompute(tmp_path: Path, monkeypatch:
         self._spare_oneshot.clear()
         return real(self)
     monkeypatch.setattr(tier_index.TierIndex, "_evict_spare", one_list)
-    assert _siblings_recomputed(tmp_path, "one-list") >= 10_000
+    assert _siblings_recomputed(tmp_path, monkeypatch, "one-list") >= 10_000
