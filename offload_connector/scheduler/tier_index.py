@@ -202,6 +202,9 @@ class TierIndex:
                         again.append(key)
                 elif key in self._spare:  # a spare offer says nothing to the policy
                     self._renew_spare(key)
+                if entry.spare and entry.oneshot and not unshared:  # a shared prompt's window now
+                    entry.oneshot = False
+                    self._spare_oneshot.pop(key, None)
                 continue
             if is_spare:
                 slot = self._free_slot()

@@ -194,8 +194,10 @@ def test_a_spare_entry_offered_again_is_renewed_within_its_class():
     oneshot = keys(2, tag="o")
     tier.begin_store(oneshot, unshared=True, spare=set(oneshot))
     tier.finish_store(oneshot)
-    tier.begin_store(oneshot[:1], spare={oneshot[0]})  # offered again: the recent end
+    tier.begin_store(oneshot[:1], unshared=True, spare={oneshot[0]})  # offered again: the recent end
     assert tier.evictable_keys() == [oneshot[1], oneshot[0]]
+    tier.begin_store(oneshot[1:], spare={oneshot[1]})  # by a request that shared a prefix: a shared window now
+    assert tier.evictable_keys() == [oneshot[0], oneshot[1]] and tier.is_spare(oneshot[1])
     tier.pin(oneshot[:1])  # served a load: regular now, out of both spare lists
     tier.unpin(oneshot[:1])
     assert tier.evictable_keys()[0] == oneshot[1] and not tier.is_spare(oneshot[0])
