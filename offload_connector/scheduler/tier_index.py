@@ -15,12 +15,12 @@ a store or is dropped, and refuses a victim that is not a readable, unpinned ent
 asked for, `scheduler/stores.py`): they take only room nobody else uses. A spare entry gets a free slot or the slot
 of another spare entry, never a regular entry's; when a regular store needs a slot, idle spare entries go first,
 before the policy is asked; the policy never sees them. Among spare entries, those stored by requests that shared no
-prefix when they arrived (one-shot prompts) go first, then the others, each oldest first: a later request that
-branches inside a prompt mostly branches from one that was itself shared (a system prompt, a document, a
-conversation), and one-shot traffic between a parent and its branches would otherwise evict the parent's fresh
-windows with its own. A spare entry that serves a load, or that a regular store offers again (`promote`), becomes a
-regular entry and the policy hears of it as newly stored. So a roomy tier holds every window, as vLLM's connector
-stores every block, and a full one holds exactly what it held without them.
+prefix when they arrived (one-shot prompts; until a request that did offers them again) go first, then the others,
+each oldest first: a later request that branches inside a prompt mostly branches from one that was itself shared (a
+system prompt, a document, a conversation), and one-shot traffic between a parent and its branches would otherwise
+evict the parent's fresh windows with its own. A spare entry that serves a load, or that a regular store offers
+again (`promote`), becomes a regular entry and the policy hears of it as newly stored. So a roomy tier holds every
+window, as vLLM's connector stores every block, and a full one holds exactly what it held without them.
 
 `clear()` (a cache reset) forgets every entry at once. An entry a copy still uses (pinned by an in-flight load, or
 being written by an in-flight store) leaves the index but keeps its slot, "retired": no lookup finds it and no store
