@@ -2,11 +2,12 @@
 
 vLLM hands `register_kv_caches` one typed tensor per attention layer with the block id in dim 0 (after
 `group_kernel_blocks` undoes kernel-block splitting), and one raw byte view per Mamba/linear-attention layer, whose
-states fill the start of each block's page (`groups.mamba_state_bytes`). A block's data for one layer is one contiguous run of
-`page_bytes` (K and V share it); consecutive blocks are `stride(0)` apart, which exceeds the page when the layout
-packs several layers or groups into one block. Layers can alias the same bytes: vLLM lays every group's i-th layer
-over the same buffer (a block id belongs to one group at a time), and KV-sharing layers reuse their target's
-tensor. So pages are deduplicated per group by (address, stride, size), and each group copies only its own pages.
+states fill the start of each block's page (`groups.mamba_state_bytes`). A block's data for one layer is one
+contiguous run of `page_bytes` (K and V share it); consecutive blocks are `stride(0)` apart, which exceeds the page
+when the layout packs several layers or groups into one block. Layers can alias the same bytes: vLLM lays every
+group's i-th layer over the same buffer (a block id belongs to one group at a time), and KV-sharing layers reuse
+their target's tensor. So pages are deduplicated per group by (address, stride, size), and each group copies only
+its own pages.
 
 The host tier mirrors this block-first: one host slot holds, for the group that owns it, that group's pages back to
 back. Slots are as large as the largest group's block, which is what the scheduler side sizes the tier with.
