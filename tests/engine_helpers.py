@@ -218,7 +218,7 @@ class EngineRun:
 
 
 def _keep(run_dir: Path) -> None:
-    """With OC_ENGINE_LOG_DIR set (the contention harness, benchmarks/contention.py), keep each engine run's script,
+    """With OC_ENGINE_LOG_DIR set (the contention harness, offload-connector contention), keep each engine run's script,
     result and whole log there, numbered in order, so a failure under load can be examined afterwards."""
     keep = os.environ.get("OC_ENGINE_LOG_DIR")
     if not keep:

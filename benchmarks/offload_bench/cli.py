@@ -4,6 +4,7 @@
     offload-connector replay [--model M] [--trace T] [--connectors C,...] [--json PATH] [--plot PATH] ...
     offload-connector replay --engines 2 [--router round-robin] [--shared-bandwidth-gbps G] [--trace T] ...
     offload-connector soak [--model gemma-4-31b|deepseek-v4-flash] [--sim-seconds 3600] [--seed 0] [--json PATH] ...
+    offload-connector TOOL ...   (layout-sweep, fuzz-ledger, contention, ...: offload_bench/tools; --help lists them)
 
 Every argument is checked before anything runs: a bad one ends the command with exit status 2 and one line on stderr
 (`offload-connector SUBCOMMAND: error: ...`), never a traceback (see replay/command.py for the ranges).
@@ -90,6 +91,11 @@ def main(argv: list[str] | None = None) -> int:
 
 def _main(argv: list[str] | None) -> int:
     from offload_bench.args import OneLineParser
+    from offload_bench.tools import TOOLS, tool_main
+
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv and argv[0] in TOOLS:  # a tool parses its own arguments
+        return tool_main(argv[0])(argv[1:])
 
     # Subcommand parsers inherit the class: every argument error is one line, exit status 2.
     ap = OneLineParser(prog="offload-connector", description="offload_connector tools")
@@ -103,6 +109,8 @@ def _main(argv: list[str] | None) -> int:
     from offload_bench.soak.command import add_parser as add_soak_parser
 
     add_soak_parser(sub)
+    for name, (_, summary) in TOOLS.items():  # listed in --help; dispatched above
+        sub.add_parser(name, help=summary, add_help=False)
     args = ap.parse_args(argv)
     if args.cmd == "stall-demo":
         return _stall_demo(args)

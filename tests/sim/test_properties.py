@@ -6,7 +6,7 @@ while requests wait and no transfer is in flight; every run drains; loaded block
 returns to num_blocks - 1 free. Speculative decoding is part of the search: 0, 1, 2 or 4 drafts per step, proposed
 by CPU n-gram (synchronous engine, drafts fed after each step), GPU n-gram, a draft model or EAGLE (async
 scheduling, placeholder drafts; the last two also reserve lookahead slots, EAGLE drops the last block of local
-prefix hits), with a random number of drafts accepted. `python benchmarks/fuzz_ledger.py --examples 10000` runs the
+prefix hits), with a random number of drafts accepted. `offload-connector fuzz-ledger --examples 10000` runs the
 same check at scale.
 """
 

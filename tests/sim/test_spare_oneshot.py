@@ -15,9 +15,9 @@ from pathlib import Path
 
 import pytest
 
-from layout_sweep import LAYOUTS, write_config
 from offload_bench.cli import main
 from offload_bench.sim.layouts import BLOCK_SIZE_ENV
+from offload_bench.tools.layout_sweep import LAYOUTS, write_config
 from offload_connector.scheduler import tier_index
 
 

@@ -45,7 +45,7 @@ def test_decode_never_re_stores_window_blocks_the_tier_evicted():
     """Each sliding-window block is handed to the tier at most once per request, even when the tier evicts it.
 
     Re-storing the whole window at every decode boundary after an eviction made a saturated 64 GiB tier copy about
-    2,500 blocks per step at 256 running requests (benchmarks/sched_overhead.py)."""
+    2,500 blocks per step at 256 running requests (offload-connector sched-overhead)."""
     slot_bytes = 2_621_440  # one Gemma-4-31B block id across all layers of its largest group
     vc = build_vllm_config("gemma-4-31b", max_model_len=32768, max_num_batched_tokens=1024, num_gpu_blocks=2188,
                            kv_transfer_config=connector_config("exact", 400 * slot_bytes, spare_windows=False))

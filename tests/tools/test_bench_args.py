@@ -1,4 +1,4 @@
-"""Every script in benchmarks/ answers a bad argument the same way, through one argument-check module
+"""Every benchmarks command answers a bad argument the same way, through one argument-check module
 (`offload_bench.args`): one line on stderr, exit status 2, before any measurement starts; never a traceback, a usage
 block, a run that ignores the value, or a run that fails only when it writes its results at the end."""
 
@@ -15,49 +15,55 @@ ROOT = Path(__file__).resolve().parents[2]
 MISSING = "/nonexistent-dir/out.json"
 
 CASES = [
-    ("fuzz_ledger.py", ["--examples", "-1"], "--examples"),
-    ("fuzz_ledger.py", ["--examples", "0"], "--examples"),
-    ("fuzz_ledger.py", ["--json", MISSING], "does not exist"),
-    ("starved_load.py", ["--json", MISSING], "does not exist"),
-    ("async_loads.py", ["--returning", "9"], "--returning"),
-    ("async_loads.py", ["--json", MISSING], "does not exist"),
-    ("sched_overhead.py", ["--requests", "-3"], "--requests"),
-    ("sched_overhead.py", ["--requests", ","], "none given"),
-    ("sched_overhead.py", ["--cpu-bytes", "lots"], "--cpu-bytes"),
-    ("sched_overhead.py", ["--json", MISSING], "does not exist"),
-    ("verify_bench.py", ["--pages", "0"], "--pages"),
-    ("verify_bench.py", ["--repeats", "0"], "--repeats"),
-    ("verify_bench.py", ["--json", MISSING], "does not exist"),
-    ("cpu_copy_bench.py", ["--pages", "-1"], "--pages"),
-    ("cpu_copy_bench.py", ["--pad", "-1"], "--pad"),
-    ("replay_ratios.py", ["/nonexistent.json"], "is not a file"),
-    ("disk_bench.py", ["--threads", "0"], "--threads"),
-    ("disk_bench.py", ["--slot-bytes", "x"], "--slot-bytes"),
-    ("mac_bench.py", ["--seconds", "nan"], "not finite"),
-    ("mac_bench.py", ["--json", MISSING], "does not exist"),
-    ("layout_sweep.py", ["--timeout", "0"], "--timeout"),
-    ("layout_sweep.py", ["--layouts", "nope"], "unknown"),
-    ("contention.py", ["--runs", "0"], "--runs"),
-    ("contention.py", ["--run-timeout-s", "inf"], "not finite"),
-    ("transfer_bench.py", ["--out", "/dev/null/x"], "--out"),
-    ("transfer_bench.py", ["--out", "o", "--budget-s", "nan"], "not finite"),
-    ("overlap_bench.py", ["--out", "o", "--copies", "0"], "--copies"),
-    ("overlap_bench.py", ["--out", "/dev/null/x"], "--out"),
-    ("soak.py", ["--jobs", "0"], "--jobs"),
-    ("load_path.py", ["--json", MISSING], "does not exist"),
+    ("fuzz-ledger", ["--examples", "-1"], "--examples"),
+    ("fuzz-ledger", ["--examples", "0"], "--examples"),
+    ("fuzz-ledger", ["--json", MISSING], "does not exist"),
+    ("starved-load", ["--json", MISSING], "does not exist"),
+    ("async-loads", ["--returning", "9"], "--returning"),
+    ("async-loads", ["--json", MISSING], "does not exist"),
+    ("sched-overhead", ["--requests", "-3"], "--requests"),
+    ("sched-overhead", ["--requests", ","], "none given"),
+    ("sched-overhead", ["--cpu-bytes", "lots"], "--cpu-bytes"),
+    ("sched-overhead", ["--json", MISSING], "does not exist"),
+    ("verify-bench", ["--pages", "0"], "--pages"),
+    ("verify-bench", ["--repeats", "0"], "--repeats"),
+    ("verify-bench", ["--json", MISSING], "does not exist"),
+    ("cpu-copy-bench", ["--pages", "-1"], "--pages"),
+    ("cpu-copy-bench", ["--pad", "-1"], "--pad"),
+    ("replay-ratios", ["/nonexistent.json"], "is not a file"),
+    ("disk-bench", ["--threads", "0"], "--threads"),
+    ("disk-bench", ["--slot-bytes", "x"], "--slot-bytes"),
+    ("mac-bench", ["--seconds", "nan"], "not finite"),
+    ("mac-bench", ["--json", MISSING], "does not exist"),
+    ("layout-sweep", ["--timeout", "0"], "--timeout"),
+    ("layout-sweep", ["--layouts", "nope"], "unknown"),
+    ("contention", ["--runs", "0"], "--runs"),
+    ("contention", ["--run-timeout-s", "inf"], "not finite"),
+    ("transfer-bench", ["--out", "/dev/null/x"], "--out"),
+    ("transfer-bench", ["--out", "o", "--budget-s", "nan"], "not finite"),
+    ("overlap-bench", ["--out", "o", "--copies", "0"], "--copies"),
+    ("overlap-bench", ["--out", "/dev/null/x"], "--out"),
+    ("soak-all", ["--jobs", "0"], "--jobs"),
+    ("load-path", ["--json", MISSING], "does not exist"),
 ]
 
 
-@pytest.mark.parametrize("script,argv,says", CASES, ids=[f"{s} {' '.join(a)}" for s, a, _ in CASES])
-def test_a_bad_argument_is_one_line_and_exit_2(script: str, argv: list[str], says: str, tmp_path: Path) -> None:
+def test_every_tool_is_covered() -> None:
+    from offload_bench.tools import TOOLS
+
+    assert {c for c, _, _ in CASES} == set(TOOLS)
+
+
+@pytest.mark.parametrize("command,argv,says", CASES, ids=[f"{c} {' '.join(a)}" for c, a, _ in CASES])
+def test_a_bad_argument_is_one_line_and_exit_2(command: str, argv: list[str], says: str, tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "benchmarks")]),
            "VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1"}
-    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / script), *argv], cwd=tmp_path, env=env,
+    done = subprocess.run([sys.executable, "-m", "offload_bench", command, *argv], cwd=tmp_path, env=env,
                           capture_output=True, text=True, timeout=600)
     lines = [x for x in done.stderr.splitlines() if x.strip() and not _noise(x)]
     assert done.returncode == 2, (done.returncode, done.stderr[-2000:])
     assert len(lines) == 1 and "Traceback" not in done.stderr, done.stderr[-2000:]
-    assert lines[0].startswith(f"{script}: error: ") and says in lines[0], lines[0]
+    assert lines[0].startswith(f"offload-connector {command}: error: ") and says in lines[0], lines[0]
     assert not list(tmp_path.iterdir()), "a bad argument left files behind"
 
 
@@ -69,12 +75,12 @@ def _noise(line: str) -> bool:
 
 
 def test_the_load_path_walk_lists_the_files_a_load_enters(tmp_path: Path) -> None:
-    """benchmarks/load_path.py runs a real load and lists the files it entered: the scheduler's admission, the ledger
-    and the tier index, the worker's transfer engine and load reports among them."""
+    """offload-connector load-path runs a real load and lists the files it entered: the scheduler's admission, the
+    ledger and the tier index, the worker's transfer engine and load reports among them."""
     out = tmp_path / "walk.json"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "benchmarks")]),
            "VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1"}
-    done = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "load_path.py"), "--json", str(out)], cwd=ROOT,
+    done = subprocess.run([sys.executable, "-m", "offload_bench", "load-path", "--json", str(out)], cwd=ROOT,
                           env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     import json

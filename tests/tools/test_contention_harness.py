@@ -1,4 +1,4 @@
-"""The contention harness (benchmarks/contention.py) itself: its JUnit reading and summary, and one real run of a
+"""The contention harness (offload-connector contention) itself: its JUnit reading and summary, and one real run of a
 fast test beside a burner, with the summary it writes. The harness's runs of the engine tests are its own job
 (scripts/contention), not part of the suite."""
 from __future__ import annotations
@@ -8,12 +8,9 @@ import subprocess
 import sys
 from pathlib import Path
 
-import importlib.util
+from offload_bench.tools import contention
 
 ROOT = Path(__file__).resolve().parents[2]
-_spec = importlib.util.spec_from_file_location("contention", ROOT / "benchmarks" / "contention.py")
-contention = importlib.util.module_from_spec(_spec)
-_spec.loader.exec_module(contention)
 
 JUNIT = """<?xml version="1.0" encoding="utf-8"?><testsuites><testsuite name="pytest">
 <testcase classname="tests.test_x" name="test_ok" time="1.5"/>
@@ -41,7 +38,7 @@ def test_junit_is_read_and_summarized(tmp_path):
 
 def test_one_run_beside_a_burner(tmp_path):
     out = tmp_path / "out"
-    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "contention.py"), "--runs", "1", "--burners", "1",
+    proc = subprocess.run([sys.executable, "-m", "offload_bench", "contention", "--runs", "1", "--burners", "1",
                            "--burn", "cpu", "--python", sys.executable, "--out", str(out),
                            "--tests", "tests/unit/test_shared_auth.py::test_derive_mac_key"],
                           cwd=ROOT, capture_output=True, text=True, timeout=300)
@@ -54,14 +51,14 @@ def test_one_run_beside_a_burner(tmp_path):
 
 def test_bad_arguments_are_one_line_and_exit_2():
     for argv in (["--runs", "0"], ["--burners", "-1"], ["--tests", "tests/nope.py"], ["--bogus"]):
-        proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "contention.py"), *argv], cwd=ROOT,
+        proc = subprocess.run([sys.executable, "-m", "offload_bench", "contention", *argv], cwd=ROOT,
                               capture_output=True, text=True, timeout=60)
         assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, (argv, proc.stderr)
 
 
 def test_resume_counts_the_runs_already_there(tmp_path):
     out = tmp_path / "out"
-    base = [sys.executable, str(ROOT / "benchmarks" / "contention.py"), "--burners", "0", "--python", sys.executable,
+    base = [sys.executable, "-m", "offload_bench", "contention", "--burners", "0", "--python", sys.executable,
             "--out", str(out), "--tests", "tests/unit/test_shared_auth.py::test_derive_mac_key"]
     first = subprocess.run([*base, "--runs", "1"], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert first.returncode == 0, first.stdout + first.stderr

@@ -1,4 +1,4 @@
-"""benchmarks/disk_bench.py runs end to end at a tiny size: both bandwidth passes and the read-back latency pass
+"""offload-connector disk-bench runs end to end at a tiny size: both bandwidth passes and the read-back latency pass
 (every read-back's bytes are checked inside the bench, which raises on a mismatch), and bad arguments end it with
 one line and exit status 2."""
 
@@ -10,11 +10,11 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[2]
-BENCH = ROOT / "benchmarks" / "disk_bench.py"
 
 
 def _run(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, str(BENCH), *args], capture_output=True, text=True, timeout=300)
+    return subprocess.run([sys.executable, "-m", "offload_bench", "disk-bench", *args], capture_output=True, text=True,
+                          timeout=300)
 
 
 def test_tiny_run_reports_read_back_latency_idle_and_under_writes(tmp_path):

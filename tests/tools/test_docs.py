@@ -91,3 +91,21 @@ def test_the_readme_is_short_and_the_results_are_in_dated_pages():
     assert pages
     index = (ROOT / "docs" / "results" / "README.md").read_text()
     assert [p.name for p in pages if p.name not in index] == []
+
+
+def test_every_benchmark_command_the_documents_name_exists():
+    """The benchmarks are one command: every `offload-connector NAME` in the documents (and the tools' own usage
+    lines) is a subcommand, and no document still runs a script by its old path."""
+    from offload_bench.tools import TOOLS
+
+    known = {"replay", "soak", "stall-demo", *TOOLS}
+    texts = [ROOT / "README.md", *(ROOT / "docs").rglob("*.md"), *(ROOT / "scripts").iterdir(),
+             *(ROOT / "benchmarks" / "offload_bench" / "tools").glob("*.py")]
+    unknown, old = [], []
+    for path in texts:
+        text = path.read_text()
+        named = re.findall(r"offload-connector ([a-z][a-z-]*)(?![a-z-]|\.\.\.)", text)  # "..." ends a cut cell
+        unknown += [f"{path.relative_to(ROOT)}: {n}" for n in named if n not in known]
+        old += [f"{path.relative_to(ROOT)}: {m}" for m in re.findall(r"(?<![\w/])benchmarks/[a-z_]+\.py", text)]
+    assert unknown == []
+    assert old == []

@@ -1,4 +1,4 @@
-"""Hostile input to the `replay`, `soak` and `stall-demo` commands and to benchmarks/soak.py: every bad argument, trace
+"""Hostile input to the `replay`, `soak`, `soak-all` and `stall-demo` commands: every bad argument, trace
 file, output path or missing optional library ends the command with exit status 2 and ONE line on stderr, never a
 traceback and never a hang, and (for all but a few cases) before vLLM is imported.
 
@@ -114,7 +114,7 @@ def _blocked(module: str, *argv: str) -> list[str]:
 
 
 def _bench(*argv: str) -> list[str]:
-    return [sys.executable, str(ROOT / "benchmarks" / "soak.py"), *argv]
+    return [sys.executable, "-m", "offload_bench", "soak-all", *argv]
 
 
 DEEP_JSON = "[" * 50_000 + "]" * 50_000  # one argv string stays under Linux's 128 KiB per argument
@@ -340,17 +340,18 @@ CASES: list[tuple[str, Any, str]] = [
     ("stall-demo --steps 5 (no such option)", _sub("stall-demo", "--steps", "5"), "unrecognized"),
     ("(no subcommand)", _sub(), "required"),
     ("bogus (no such subcommand)", _sub("bogus"), "invalid choice"),
-    # ---- benchmarks/soak.py
-    ("benchmarks/soak.py --sim-seconds nan", _bench("--sim-seconds", "nan"), "not finite"),
-    ("benchmarks/soak.py --sim-seconds 1e12", _bench("--sim-seconds", "1e12"), "86400"),
-    ("benchmarks/soak.py --seed -5", _bench("--seed", "-5"), "--seed"),
-    ("benchmarks/soak.py --jobs 0", _bench("--jobs", "0"), "--jobs"),
-    ("benchmarks/soak.py --jobs 1000", _bench("--jobs", "1000"), "--jobs"),
-    ("benchmarks/soak.py --models bogus", _bench("--models", "bogus"), "bogus"),
-    ("benchmarks/soak.py --models ','", _bench("--models", ","), "none given"),
-    ("benchmarks/soak.py --models gemma-4-31b,gemma-4-31b", _bench("--models", "gemma-4-31b,gemma-4-31b"),
+    # ---- offload-connector soak-all
+    ("offload-connector soak-all --sim-seconds nan", _bench("--sim-seconds", "nan"), "not finite"),
+    ("offload-connector soak-all --sim-seconds 1e12", _bench("--sim-seconds", "1e12"), "86400"),
+    ("offload-connector soak-all --seed -5", _bench("--seed", "-5"), "--seed"),
+    ("offload-connector soak-all --jobs 0", _bench("--jobs", "0"), "--jobs"),
+    ("offload-connector soak-all --jobs 1000", _bench("--jobs", "1000"), "--jobs"),
+    ("offload-connector soak-all --models bogus", _bench("--models", "bogus"), "bogus"),
+    ("offload-connector soak-all --models ','", _bench("--models", ","), "none given"),
+    ("offload-connector soak-all --models gemma-4-31b,gemma-4-31b", _bench("--models", "gemma-4-31b,gemma-4-31b"),
      "more than once"),
-    ("benchmarks/soak.py --json <missing directory>", _bench("--json", "{missing-dir}/s.json"), "does not exist"),
+    ("offload-connector soak-all --json <missing directory>", _bench("--json", "{missing-dir}/s.json"),
+     "does not exist"),
 ]
 
 

@@ -1,7 +1,7 @@
 """The benchmark harnesses run end to end on CPU and their verification catches wrong bytes (no timing asserted)."""
 from __future__ import annotations
 
-import importlib.util
+import importlib
 import json
 import os
 import subprocess
@@ -16,11 +16,7 @@ ROOT = Path(__file__).resolve().parents[2]
 
 
 def _load(name: str):
-    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[name] = mod
-    spec.loader.exec_module(mod)
-    return mod
+    return importlib.import_module(f"offload_bench.tools.{name}")
 
 
 @pytest.fixture(scope="module")

@@ -1,9 +1,8 @@
-"""The layout sweep's own parts (benchmarks/layout_sweep.py), without running a replay: the generated configs say
+"""The layout sweep's own parts (offload-connector layout-sweep), without running a replay: the generated configs say
 what their names say, the bounds flag what the issue's criteria exclude, the summary keeps the worst case."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -11,11 +10,9 @@ from pathlib import Path
 
 import pytest
 
+from offload_bench.tools import layout_sweep as sweep
+
 ROOT = Path(__file__).resolve().parents[2]
-_spec = importlib.util.spec_from_file_location("layout_sweep", ROOT / "benchmarks" / "layout_sweep.py")
-sweep = importlib.util.module_from_spec(_spec)
-sys.modules["layout_sweep"] = sweep  # dataclasses look their module up while the class is built
-_spec.loader.exec_module(sweep)
 
 
 @pytest.mark.parametrize("layout", sweep.LAYOUTS, ids=lambda lay: lay.name)
@@ -57,6 +54,6 @@ def test_bounds_and_worst_case() -> None:
 
 def test_a_bad_argument_is_one_line_and_exit_2() -> None:
     for argv in (["--layouts", "nope"], ["--timeout", "nan"], ["--bogus"]):
-        proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "layout_sweep.py"), *argv],
+        proc = subprocess.run([sys.executable, "-m", "offload_bench", "layout-sweep", *argv],
                               capture_output=True, text=True, timeout=60)
         assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, (argv, proc.stderr)

@@ -43,7 +43,7 @@ COLUMNS = (PRIVATE, SHARED)
 # The shared column's connector config: the connector's own remote_store path (scheduler planner, worker reads and
 # writes); the kind only names it, sim_store_factory opens the simulated store whatever the kind.
 # The simulated store moves tags, not bytes, so there is nothing to authenticate: the column says so explicitly, as an
-# operator must (remote_allow_unauthenticated); the MAC's cost is measured on real bytes (benchmarks/mac_bench.py).
+# operator must (remote_allow_unauthenticated); the MAC's cost is measured on real bytes (offload-connector mac-bench).
 SHARED_EXTRA = (("remote_store", "redis"), ("remote_allow_unauthenticated", True))
 
 

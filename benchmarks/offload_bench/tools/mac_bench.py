@@ -10,7 +10,7 @@ bytes fetched per fetch, checked with the CRC alone and with the tag, against th
 With `--disk DIR` the disk tier (`disk_secret_file`) is measured end to end as well: `DiskStore` writing and reading
 one slot at a time in DIR with and without a MAC key (page cache and buffered I/O, so the check is what differs).
 
-    .venv-vllm033/bin/python benchmarks/mac_bench.py [--sizes 32Ki,256Ki,1Mi,4Mi] [--seconds 1] [--json F] [--disk DIR]
+    .venv-vllm033/bin/offload-connector mac-bench [--sizes 32Ki,256Ki,1Mi,4Mi] [--seconds 1] [--json F] [--disk DIR]
 
 Exit status 2 with one line for a bad argument.
 """
@@ -122,7 +122,7 @@ def per_fetch(path: str, rows: list[dict[str, Any]]) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = OneLineParser(prog="mac_bench.py", description=__doc__.split("\n\n")[0])
+    p = OneLineParser(prog="offload-connector mac-bench", description=__doc__.split("\n\n")[0])
     p.add_argument("--sizes", default="32Ki,384Ki,2560Ki", help="value sizes (bytes, or with Ki/Mi), comma-separated")
     p.add_argument("--seconds", type=float_in(0.001, 60), default=1.0, help="time per measurement (up to 60)")
     p.add_argument("--json", default=None, help="write the rows here")

@@ -1,7 +1,7 @@
 """The full soak, both models: `offload-connector soak` for Gemma 4 31B and DeepSeek-V4-Flash, one after the other
 (or in parallel with --jobs 2), and the summary table side by side (the README's soak table).
 
-    HF_HUB_OFFLINE=1 VLLM_TARGET_DEVICE=cpu PYTHONPATH=. .venv-vllm033/bin/python benchmarks/soak.py \
+    HF_HUB_OFFLINE=1 VLLM_TARGET_DEVICE=cpu PYTHONPATH=. .venv-vllm033/bin/offload-connector soak-all \
         --sim-seconds 3600 --seed 0 --json results/soak.json
 
 Exit status 0 only if every run drained with no invariant violation, leak or stall; 2 (one line on stderr) for a bad
@@ -42,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     from offload_bench.replay.command import MAX_SEED
     from offload_bench.soak.command import MAX_SIM_SECONDS
 
-    prog = "soak.py"
+    prog = "offload-connector soak-all"
     ap = OneLineParser(prog=prog, description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--sim-seconds", type=float_in(1.0, MAX_SIM_SECONDS), default=3600.0,
                     help=f"1 to {MAX_SIM_SECONDS:,.0f}")

@@ -7,7 +7,7 @@ as torch `copy_`; the ratio is against the faster of the two (goal >= 0.8). Both
 ids; strided device views (row stride = page + pad, as vLLM's page views); single-threaded like the large copy;
 every timed configuration is byte-verified once.
 
-    .venv-cpu/bin/python benchmarks/cpu_copy_bench.py [--pages 16384,65536,262144,2621440] [--total-mib 256]
+    .venv-cpu/bin/offload-connector cpu-copy-bench [--pages 16384,65536,262144,2621440] [--total-mib 256]
 """
 from __future__ import annotations
 
@@ -119,7 +119,7 @@ def run(page: int, total_bytes: int, tensors: int, pad: int, repeats: int, seed:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = OneLineParser(prog="cpu_copy_bench.py", description=__doc__.splitlines()[0])
+    p = OneLineParser(prog="offload-connector cpu-copy-bench", description=__doc__.splitlines()[0])
     add_copy_layout_args(p, total_mib=256, repeats=7)
     p.add_argument("--isa", choices=ISAS, help="force the host backend's store path (default: the best this CPU has)")
     p.add_argument("--json", type=Path, help="also write the rows as JSON here")

@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """The files of the connector a plain CPU-tier load walks through, counted by running one.
 
 In vLLM's real scheduler on CPU (the simulation, gpt-oss-20b layout: a 128-token window and full attention), a
@@ -8,7 +7,7 @@ arrival until it finishes is recorded (`sys.setprofile`); the files are listed i
 calls into each. The return's one new block is stored too, and the per-step bookkeeping (metrics, watchdog, events)
 runs, so the count is an upper bound of the load path proper (issue "A house for the next engineer": at most 12).
 
-    PYTHONPATH=.:benchmarks python benchmarks/load_path.py [--json F]
+    PYTHONPATH=.:benchmarks offload-connector load-path [--json F]
 """
 from __future__ import annotations
 
@@ -20,7 +19,7 @@ from pathlib import Path
 
 from offload_bench.args import OneLineParser
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]  # the repository: tools -> offload_bench -> benchmarks -> root
 
 
 def walk() -> list[tuple[str, int]]:
@@ -56,7 +55,7 @@ def walk() -> list[tuple[str, int]]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = OneLineParser(prog="load_path.py", description=__doc__.split("\n\n")[0])
+    p = OneLineParser(prog="offload-connector load-path", description=__doc__.split("\n\n")[0])
     p.add_argument("--json", help="write the file list here")
     args = p.parse_args(argv)
     p.check_output("--json", args.json)  # before the run, not after

@@ -18,7 +18,7 @@ slots through the same store (the disk tier's write-through of newly stored bloc
 `2 x threads` writes in flight). Reads and writes share the store's I/O threads, so this is what a load waits for
 when the tier is also being written. Every read-back's bytes are checked.
 
-    .venv-vllm033/bin/python benchmarks/disk_bench.py [--dir DIR] [--total-mib 2048] [--slot-bytes 2621440]
+    .venv-vllm033/bin/offload-connector disk-bench [--dir DIR] [--total-mib 2048] [--slot-bytes 2621440]
         [--threads 2] [--chunk-mib 64] [--arena-slots 32] [--repeat 3] [--load-blocks 64] [--loads 20]
         [--no-direct] [--json]
 """
@@ -47,7 +47,7 @@ GEMMA4_31B_SLOT = 2621440  # 2.5 MiB: the CPU tier's slot for Gemma-4-31B
 
 
 def _fail(message: str) -> None:
-    sys.exit(fail("disk_bench.py", message))
+    sys.exit(fail("offload-connector disk-bench", message))
 
 
 def _aligned(n: int) -> np.ndarray:
@@ -265,7 +265,8 @@ def crc_speed(slot_bytes: int) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = OneLineParser(prog="disk_bench.py", description="Disk tier (DiskStore) vs raw sequential disk bandwidth.")
+    p = OneLineParser(prog="offload-connector disk-bench",
+                      description="Disk tier (DiskStore) vs raw sequential disk bandwidth.")
     p.add_argument("--dir", default=None, help="directory on the disk to measure (default: a temp dir under /tmp)")
     p.add_argument("--total-mib", type=int_in(1, 1 << 24), default=2048)
     p.add_argument("--slot-bytes", type=int_in(1, 1 << 34), default=GEMMA4_31B_SLOT)

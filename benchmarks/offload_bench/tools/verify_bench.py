@@ -8,7 +8,7 @@ the worker waits for). With `verify_loads` a store also checksums its source blo
 blocks and compares them with the stored sums (offload_connector/worker/checksum.py). Plain and verified jobs are
 interleaved, `--repeats` times; medians. Also the checksum alone (GB/s of blocks summed). A measurement, not a test.
 
-    .venv-cpu/bin/python benchmarks/verify_bench.py [--pages 16384,65536,262144,2621440] [--total-mib 128]
+    .venv-cpu/bin/offload-connector verify-bench [--pages 16384,65536,262144,2621440] [--total-mib 128]
 """
 from __future__ import annotations
 
@@ -88,7 +88,7 @@ def run(page: int, total_bytes: int, tensors: int, pad: int, repeats: int, seed:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = OneLineParser(prog="verify_bench.py", description=__doc__.splitlines()[0])
+    p = OneLineParser(prog="offload-connector verify-bench", description=__doc__.splitlines()[0])
     add_copy_layout_args(p, total_mib=128, repeats=5)
     p.add_argument("--json", type=Path, help="also write the rows as JSON here")
     a = p.parse_args(argv)

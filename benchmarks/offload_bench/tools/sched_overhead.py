@@ -1,4 +1,3 @@
-#!/usr/bin/env python
 """Scheduler-side cost per step: our OffloadConnector vs vLLM's in-tree OffloadingConnector (steady decode).
 
 For each N in --requests and each connector, a real vLLM scheduler (the class EngineCore would pick) is built on
@@ -28,7 +27,7 @@ eviction count); a larger --cpu-bytes shows the unsaturated cost.
 
 This is a measurement, not a timed test: nothing fails on a slow result.
 
-    .venv-vllm033/bin/python benchmarks/sched_overhead.py [--steps 200] [--requests 64,256] [--json out.json]
+    .venv-vllm033/bin/offload-connector sched-overhead [--steps 200] [--requests 64,256] [--json out.json]
 """
 
 from __future__ import annotations
@@ -270,7 +269,7 @@ def cpu_model() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = OneLineParser(prog="sched_overhead.py", description=__doc__.split("\n\n")[0])
+    ap = OneLineParser(prog="offload-connector sched-overhead", description=__doc__.split("\n\n")[0])
     ap.add_argument("--steps", type=int_in(1, 10**6), default=200, help="timed decode steps per run (default 200)")
     ap.add_argument("--requests", type=int_list_in(1, 4096), default=[64, 256],
                     help="running-request counts, comma separated")

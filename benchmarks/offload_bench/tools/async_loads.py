@@ -2,7 +2,7 @@
 connector's `may_load_async` (offload_bench/sim/full_batch.py: two decoders hold both running slots, requests return
 with a 2,000-token prefix in the CPU tier). Steps of vLLM's real scheduler; no time model.
 
-    .venv-vllm034/bin/python benchmarks/async_loads.py [--returning 2] [--json F]
+    .venv-vllm034/bin/offload-connector async-loads [--returning 2] [--json F]
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from offload_bench.platform import use_cpu_platform
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = OneLineParser(prog="async_loads.py", description=__doc__.split("\n\n")[0])
+    p = OneLineParser(prog="offload-connector async-loads", description=__doc__.split("\n\n")[0])
     p.add_argument("--returning", type=int_in(1, 8), default=2, metavar="1..8")
     p.add_argument("--json", help="write the rows here")
     args = p.parse_args(argv)

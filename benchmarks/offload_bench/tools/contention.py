@@ -39,7 +39,7 @@ from typing import Any
 
 from offload_bench.args import ArgError, OneLineParser, check_output_dir, fail, float_in, int_in
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]  # the repository: tools -> offload_bench -> benchmarks -> root
 
 # The real-engine tests whose assertions compare outputs with a run without the connector (or wait on asynchronous
 # events of those runs): what "never wrong under load" is about.
@@ -188,7 +188,7 @@ def table(per: dict[str, dict[str, Any]]) -> str:
 
 
 def parse_args(argv: list[str]) -> argparse.Namespace:
-    p = OneLineParser(prog="contention.py", description=__doc__.split("\n\n")[0])
+    p = OneLineParser(prog="offload-connector contention", description=__doc__.split("\n\n")[0])
     p.add_argument("--runs", type=int_in(1, 1000), default=20, help="runs of the whole selection (default 20)")
     p.add_argument("--burners", type=int_in(0, 256), default=None,
                    help="busy processes beside each run (default: this machine's CPU count + 1)")
@@ -218,7 +218,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         args = parse_args(sys.argv[1:] if argv is None else argv)
     except ArgError as exc:
-        return fail("contention.py", exc)
+        return fail("offload-connector contention", exc)
     out = Path(args.out).resolve()
     out.mkdir(parents=True, exist_ok=True)
     try:
@@ -231,7 +231,7 @@ def main(argv: list[str] | None = None) -> int:
         earlier = finished_runs(out)
         previous = out / "summary.json"
         if earlier and previous.exists() and json.loads(previous.read_text()).get("tests") != args.tests:
-            return fail("contention.py", f"--resume: {out} holds runs of a different --tests selection")
+            return fail("offload-connector contention", f"--resume: {out} holds runs of a different --tests selection")
         runs.extend(earlier)
         if bar is not None:
             bar.update(min(len(runs), args.runs))

@@ -10,8 +10,8 @@ and reports the compute's throughput overlapped / alone and the copies' GB/s ove
 is byte-verified afterwards. Also records what the connector's start-up calibration (`kernels.select.calibrate`)
 picks for this layout, and its timings.
 
-    PYTHONPATH=. python benchmarks/overlap_bench.py --out DIR            # on a GPU, about 1 minute on an H200
-    PYTHONPATH=. python benchmarks/overlap_bench.py --out DIR --cpu-smoke  # code path only, tiny sizes, no timing value
+    PYTHONPATH=. offload-connector overlap-bench --out DIR            # on a GPU, about 1 minute on an H200
+    PYTHONPATH=. offload-connector overlap-bench --out DIR --cpu-smoke  # code path only, tiny sizes, no timing value
 """
 from __future__ import annotations
 
@@ -35,7 +35,7 @@ MAX_COPIES = 1000  # calls per overlapped window: 1,000 Gemma-shaped calls are a
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    p = OneLineParser(prog="overlap_bench.py", description=__doc__.split("\n")[0])
+    p = OneLineParser(prog="offload-connector overlap-bench", description=__doc__.split("\n")[0])
     p.add_argument("--out", required=True, help="directory for results.json and results.md")
     p.add_argument("--cpu-smoke", action="store_true", help="tiny sizes on CPU: checks the code path only")
     p.add_argument("--copies", type=int_in(1, MAX_COPIES), default=12,
@@ -82,7 +82,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         out = check_output_dir("--out", args.out)
     except ArgError as err:
-        return fail("overlap_bench.py", err)
+        return fail("offload-connector overlap-bench", err)
     smoke = args.cpu_smoke
     if not smoke and not torch.cuda.is_available():
         print("overlap_bench.py: no CUDA device (use --cpu-smoke for a dry run)", file=sys.stderr)

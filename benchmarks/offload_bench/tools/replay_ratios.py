@@ -1,6 +1,6 @@
 """Ours ÷ a reference column, per replay JSON (`offload-connector replay --json F`), one row per file.
 
-    python benchmarks/replay_ratios.py results/*.json [--ours offload] [--vs vllm-offloading-patched] [--markdown]
+    offload-connector replay-ratios results/*.json [--ours offload] [--vs vllm-offloading-patched] [--markdown]
 
 Throughput (output tokens per simulated second: higher is better), TTFT p50 / p95 and tokens recomputed (lower is
 better) as ratios to 4 digits; a stall in either column, the requests each completed, and the deferrals our column
@@ -52,7 +52,7 @@ def fmt(v: Any) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = OneLineParser(prog="replay_ratios.py", description=__doc__.split("\n\n")[0])
+    p = OneLineParser(prog="offload-connector replay-ratios", description=__doc__.split("\n\n")[0])
     p.add_argument("files", nargs="+", type=Path)
     p.add_argument("--ours", default="offload")
     p.add_argument("--vs", default="vllm-offloading-patched")

@@ -1,6 +1,6 @@
 """The starved-load scene (`offload_bench.sim.starved`) under every admission setting, side by side in one run.
 
-    python benchmarks/starved_load.py [--json PATH]
+    offload-connector starved-load [--json PATH]
 
 Per scene and setting: the step of the returning request's first token after it arrived, whether its prefix was
 loaded, how often newer requests were held back for it, the small requests' TTFT p50 / p95 in steps, and the steps
@@ -37,7 +37,7 @@ SETTINGS = {
 
 def main(argv: list[str] | None = None) -> int:
     from offload_bench.args import OneLineParser
-    p = OneLineParser(prog="starved_load.py", description=__doc__.split("\n\n")[0])
+    p = OneLineParser(prog="offload-connector starved-load", description=__doc__.split("\n\n")[0])
     p.add_argument("--json", help="write every outcome here")
     args = p.parse_args(argv)
     p.check_output("--json", args.json)  # before the run, not after

@@ -8,7 +8,7 @@ num_blocks - 1 free; loaded blocks hold the contents that were stored. Speculati
 example (0/1/2/4 drafts; CPU n-gram on a synchronous engine, GPU n-gram, a draft model or EAGLE under async
 scheduling); the counts are also broken down by setting. Prints the counts, never a pass/fail timing.
 
-    .venv-vllm033/bin/python benchmarks/fuzz_ledger.py --examples 10000 --seed 0
+    .venv-vllm033/bin/offload-connector fuzz-ledger --examples 10000 --seed 0
 """
 
 from __future__ import annotations
@@ -31,7 +31,8 @@ MAX_EXAMPLES = 10**7
 
 
 def main(argv: list[str] | None = None) -> int:
-    ap = OneLineParser(prog="fuzz_ledger.py", description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap = OneLineParser(prog="offload-connector fuzz-ledger", description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--examples", type=int_in(1, MAX_EXAMPLES), default=10_000)
     ap.add_argument("--seed", type=int_in(0, 2**63 - 1), default=0)
     ap.add_argument("--json", help="write the summary here")

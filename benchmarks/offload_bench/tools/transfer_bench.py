@@ -15,8 +15,8 @@ pool is unchanged (compared on the GPU against golden copies). GB/s = bytes / CU
 (submission included), median of the timed repetitions. An internal guard (--budget-s, default 300 s) stops
 starting new configurations so the whole run stays under 6 minutes on an H200.
 
-    PYTHONPATH=. python benchmarks/transfer_bench.py --out /tmp/bench            # on a GPU
-    PYTHONPATH=. python benchmarks/transfer_bench.py --out /tmp/smoke --cpu-smoke  # dry run, reference backend
+    PYTHONPATH=. offload-connector transfer-bench --out /tmp/bench            # on a GPU
+    PYTHONPATH=. offload-connector transfer-bench --out /tmp/smoke --cpu-smoke  # dry run, reference backend
 """
 from __future__ import annotations
 
@@ -71,7 +71,7 @@ class Results:
 
 
 def parse_args(argv: list[str] | None = None) -> BenchConfig:
-    p = OneLineParser(prog="transfer_bench.py",
+    p = OneLineParser(prog="offload-connector transfer-bench",
                       description="KV page transfer benchmark (GPU); --cpu-smoke for a CPU dry run")
     p.add_argument("--out", type=Path, required=True, help="directory for results.json / results.md")
     p.add_argument("--cpu-smoke", action="store_true", help="tiny CPU run of the whole pipeline (reference backend)")

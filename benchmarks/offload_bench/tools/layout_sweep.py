@@ -8,7 +8,7 @@ decoding (the replay simulates it as DeepSeek V4's MTP only) — as `config.json
 the Mooncake trace (one process per case, so a layout vLLM refuses is one line, not the end of the sweep), and
 reports per metric the worst case, not the mean:
 
-    python benchmarks/layout_sweep.py --out results/sweep [--layouts a,b] [--workloads x,y] [--resume]
+    offload-connector layout-sweep --out results/sweep [--layouts a,b] [--workloads x,y] [--resume]
 
 Each case's replay JSON is kept in `--out` (`<layout>--<workload>.json`), its outcome appended to `sweep.jsonl`;
 `--resume` skips the cases already there, so the sweep can be gathered over several sittings. `--list` prints the
@@ -31,7 +31,7 @@ from typing import Any
 
 from offload_bench.args import ArgError, OneLineParser, check_output_dir, fail, float_in
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[3]  # the repository: tools -> offload_bench -> benchmarks -> root
 MODELS = ROOT / "benchmarks" / "offload_bench" / "sim" / "models"
 SMALL_GEMMA4 = ROOT / "docs" / "results" / "layouts" / "small-gemma4" / "config.json"
 WORKLOADS = ("gemma4-31b-returning", "deepseek-v4-flash-1m", "mooncake-synthetic", "agent-tool-prefix",
@@ -196,7 +196,7 @@ def _pick(text: str | None, allowed: list[str], what: str) -> list[str]:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = OneLineParser(prog="layout_sweep.py", description=__doc__.split("\n\n")[0])
+    p = OneLineParser(prog="offload-connector layout-sweep", description=__doc__.split("\n\n")[0])
     p.add_argument("--out", type=Path, default=Path("results/sweep"))
     p.add_argument("--layouts", help="comma-separated layout names (default: all; see --list)")
     p.add_argument("--workloads", help=f"comma-separated (default: all of {', '.join(WORKLOADS)})")
