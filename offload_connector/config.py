@@ -584,9 +584,10 @@ def _choice(key: str, value: Any, accepted: tuple[str, ...]) -> str:
 
 # ------------------------------------------------------------------------------------------- start-up
 def check_recurrent_state(vllm_config: VllmConfig) -> None:
-    """A model with Mamba/linear-attention state is offloaded only in vLLM's align mode and without speculative
-    decoding (`groups.describe_groups` refuses the same layouts later, from the KV cache groups; here it is one line
-    before any KV cache or connector exists)."""
+    """A model with Mamba/linear-attention state is offloaded only in vLLM's align mode (`groups.describe_groups`
+    refuses the same layouts later, from the KV cache groups; here it is one line before any KV cache or connector
+    exists). Speculative decoding is accepted: its state blocks are in the ledger, and states are stored only where
+    a prefill forward wrote them (`Layout.state_behind_drafts`)."""
     mc = getattr(vllm_config, "model_config", None)
     if mc is None or not (getattr(mc, "is_hybrid", False) or getattr(mc, "is_attention_free", False)):
         return
@@ -599,9 +600,6 @@ def check_recurrent_state(vllm_config: VllmConfig) -> None:
         raise ConfigError(f"offload_connector: {arch} keeps Mamba/linear-attention state and vLLM runs it in "
                           f"mamba_cache_mode '{mode}'; the connector restores such state only in 'align' mode "
                           f"(start vLLM with --enable-prefix-caching)")
-    if getattr(vllm_config, "speculative_config", None) is not None:
-        raise ConfigError(f"offload_connector: {arch} keeps Mamba/linear-attention state; the connector does not "
-                          f"offload it under speculative decoding yet (drop --speculative-config)")
 
 
 def check_at_startup(vllm_config: VllmConfig) -> OffloadConfig:

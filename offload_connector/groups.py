@@ -65,6 +65,10 @@ class GroupInfo:
     # `live_ceiling`. Not vLLM's `max_admission_blocks_per_request`, which leaves out lookahead slots and assumes the
     # window starts anywhere in a block even where a chunk boundary cannot.
     live_ceiling: int | None = None
+    # Speculative state blocks vLLM keeps at the end of a Mamba group's block table (`MambaSpec.num_speculative_blocks`,
+    # the draft count under EAGLE/MTP): taken with the request's first allocation, a load's included, and moved
+    # along the table after that, never multiplied by the batches in flight.
+    spec_blocks: int = 0
 
     @property
     def recycling(self) -> bool:
@@ -142,7 +146,7 @@ def cdiv(a: int, b: int) -> int:
 
 def live_ceiling(kind: GroupKind, block_size: int, extent: int, extra_retained_tokens: int,
                  max_in_flight_tokens: int, lookahead_tokens: int, batches_in_flight: int = 1,
-                 checkpoint_blocks: int = 0) -> int | None:
+                 checkpoint_blocks: int = 0, spec_blocks: int = 0) -> int | None:
     """The most real blocks one request can hold at once in a recycling group; None for full attention.
 
     vLLM frees out-of-window blocks on the processed-token basis (`remove_skipped_blocks` at computed minus
@@ -156,11 +160,13 @@ def live_ceiling(kind: GroupKind, block_size: int, extent: int, extra_retained_t
     A Mamba group (align mode) holds the state block the oldest batch in flight started from, plus, for every batch
     in flight, the block its chunk ends in and its prefill checkpoint block if the layer exports one
     (`checkpoint_blocks`): vLLM allocates nothing for the positions a chunk passes over (they stay null). That is
-    never more than the blocks a 2-token window would span over the same tokens.
+    never more than the blocks a 2-token window would span over the same tokens. Align mode allocates for the
+    scheduled tokens only (drafts included, lookahead slots not), and under speculative decoding keeps `spec_blocks`
+    more at the end of the table.
     """
     if kind is GroupKind.MAMBA:
-        window_like = cdiv(block_size + max_in_flight_tokens + lookahead_tokens, block_size)
-        return min(window_like, 1 + max(batches_in_flight, 1) * (1 + checkpoint_blocks))
+        window_like = cdiv(block_size + max_in_flight_tokens, block_size)
+        return min(window_like, 1 + max(batches_in_flight, 1) * (1 + checkpoint_blocks)) + spec_blocks
     if kind in (GroupKind.SLIDING, GroupKind.SLIDING_MLA):
         span = extent - 1 + extra_retained_tokens + max_in_flight_tokens + lookahead_tokens
         return cdiv(block_size - 1 + span, block_size)
@@ -187,9 +193,10 @@ def describe_groups(kv_cache_config: KVCacheConfig, max_in_flight_tokens: int, l
                 f"KV cache group {index} uses {name}, which offload_connector does not support (supported: "
                 f"{sorted(_KIND_BY_SPEC)}). Cross-attention and sparse-retention groups keep state that cannot be "
                 f"restored from prefix blocks.")
-        checkpoint_blocks = 0
+        checkpoint_blocks = spec_blocks = 0
         if kind is GroupKind.MAMBA:
             checkpoint_blocks = _mamba_checkpoint_blocks(index, spec)
+            spec_blocks = int(getattr(spec, "num_speculative_blocks", 0) or 0)
         window = getattr(spec, "sliding_window", None) or 0
         extra = getattr(spec, "extra_retained_tokens", 0) or 0
         chunk = getattr(spec, "attention_chunk_size", None) or 0
@@ -203,7 +210,9 @@ def describe_groups(kv_cache_config: KVCacheConfig, max_in_flight_tokens: int, l
             extra_retained_tokens=extra,
             chunk_size=chunk,
             live_ceiling=live_ceiling(kind, spec.block_size, chunk if kind is GroupKind.CHUNKED else window, extra,
-                                      max_in_flight_tokens, lookahead_tokens, batches_in_flight, checkpoint_blocks),
+                                      max_in_flight_tokens, lookahead_tokens, batches_in_flight, checkpoint_blocks,
+                                      spec_blocks),
+            spec_blocks=spec_blocks,
         ))
     if not groups:
         raise UnsupportedLayoutError("the model has no KV cache groups; there is nothing to offload")
@@ -214,17 +223,13 @@ def _mamba_checkpoint_blocks(index: int, spec: object) -> int:
     """Checks a Mamba group is one the connector can restore; returns its prefill checkpoint blocks per chunk.
 
     Only vLLM's align mode keeps a state per block boundary (`mamba_cache_mode: "none"` keeps one state per request
-    and gives no request a block hash). Speculative blocks move along the block table and are not modelled yet."""
+    and gives no request a block hash)."""
     mode = getattr(spec, "mamba_cache_mode", "none")
     if mode != "align":
         raise UnsupportedLayoutError(
             f"KV cache group {index} (MambaSpec) keeps Mamba/linear-attention state with mamba_cache_mode '{mode}'; "
             f"offload_connector restores such state only in 'align' mode (vLLM selects it with "
             f"--enable-prefix-caching)")
-    if getattr(spec, "num_speculative_blocks", 0):
-        raise UnsupportedLayoutError(
-            f"KV cache group {index} (MambaSpec) keeps Mamba/linear-attention state with {spec.num_speculative_blocks} "
-            f"speculative blocks; offload_connector does not offload Mamba state under speculative decoding yet")
     return 1 if getattr(spec, "num_prefill_checkpoint_blocks", 0) else 0
 
 

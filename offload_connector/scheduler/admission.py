@@ -344,9 +344,11 @@ class AdmissionControl:
         """One row per request that holds blocks and has not finished its prompt: what it holds, what it may take."""
         managers = self._kv().managers
         rows = []
-        first = managers[0].req_to_blocks
         for rid, state in self.requests.items():
-            if rid == exclude or state.finished or rid not in first:
+            # Holding blocks means a non-empty block list: vLLM's Mamba manager leaves an empty one behind when it
+            # only sized a request that then did not fit (`req_to_blocks` is a defaultdict), and a request that
+            # holds nothing reserves nothing.
+            if rid == exclude or state.finished or not any(m.req_to_blocks.get(rid) for m in managers):
                 continue
             request = state.request
             if not _in_prefill(request):

@@ -35,10 +35,12 @@ def peak_blocks(group: GroupInfo, target_tokens: int, processed_tokens: int) -> 
     """The most real blocks a recycling group can hold for a request from now until it reaches `target_tokens`.
 
     Blocks below the window at `processed_tokens` are freed before the next allocation and never allocated again,
-    so only the blocks from there to the target count, and never more than the group's ceiling."""
+    so only the blocks from there to the target count, and never more than the group's ceiling. A Mamba group's
+    speculative blocks sit past the state blocks and are held throughout."""
     span = cdiv(target_tokens, group.block_size) - group.first_live_block(processed_tokens)
     assert group.live_ceiling is not None, group
-    return max(min(span, group.live_ceiling), 0)
+    k = group.spec_blocks
+    return max(min(span, group.live_ceiling - k), 0) + k
 
 
 def remaining_blocks(group: GroupInfo, target_tokens: int, num_entries: int, num_live: int,
@@ -64,7 +66,8 @@ def load_blocks(group: GroupInfo, hit_tokens: int, local_blocks: Sequence[KVCach
     skipped = group.skipped_tokens(hit_tokens) // group.block_size
     fresh = max(entries - max(skipped, len(local_blocks)), 0)
     touched_free = sum(1 for blk in local_blocks[skipped:] if not blk.is_null and blk.ref_cnt == 0)
-    return fresh + touched_free, entries, entries - skipped
+    k = group.spec_blocks  # a Mamba group's first allocation appends its speculative blocks, a load's too
+    return fresh + touched_free + k, entries + k, entries - skipped + k
 
 
 def live_counts(blocks: Sequence[KVCacheBlock]) -> tuple[int, int]:

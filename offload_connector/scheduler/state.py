@@ -55,6 +55,13 @@ class Layout:
             reprefillable_tokens=reprefillable_tokens(vllm_config),
         )
 
+    @property
+    def state_behind_drafts(self) -> bool:
+        """Whether some Mamba group keeps speculative state blocks (EAGLE/MTP next to recurrent state): a decode step
+        with drafts writes a boundary's state into a speculative block, and vLLM copies the accepted one into the
+        boundary's block only after sampling, later than the step's stores are issued."""
+        return any(g.spec_blocks for g in self.groups)
+
     def keys(self, request: Request) -> BlockKeys:
         """The tier keys of `request`'s blocks, per group."""
         return BlockKeys(request.block_hashes, self.hash_block_size, self.groups)

@@ -90,6 +90,11 @@ class StorePlanner:
                                   self.config.window_checkpoint_tokens, state.junctions)
             if self.config.spare_windows:
                 spare_pts = spare_points(state.window_scanned, upto, layout.alignment, points)
+            if layout.state_behind_drafts:
+                # Only prefill forwards (no drafts scheduled yet) write a boundary's state into its own block before
+                # this step's stores read it; past the prompt the state would be the one before the drafts' copy.
+                points = [p for p in points if p <= request.num_prompt_tokens]
+                spare_pts = [p for p in spare_pts if p <= request.num_prompt_tokens]
         state.window_scanned = max(state.window_scanned, upto)
         regular = set(points)
         spare_keys: set[Hashable] = set()

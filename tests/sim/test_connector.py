@@ -54,8 +54,20 @@ def test_mamba_state_outside_align_mode_is_refused_with_reason():
 
     with pytest.raises(UnsupportedLayoutError, match="MambaSpec.*mamba_cache_mode 'none'.*'align'"):
         describe_groups(_hybrid(), 2048)
-    with pytest.raises(UnsupportedLayoutError, match="MambaSpec.*2 speculative blocks"):
-        describe_groups(_hybrid(mamba_cache_mode="align", num_speculative_blocks=2), 2048)
+    with pytest.raises(UnsupportedLayoutError, match="MambaSpec.*mamba_cache_mode 'none'"):
+        describe_groups(_hybrid(num_speculative_blocks=2), 2048)
+
+
+def test_speculative_state_blocks_are_in_the_ceiling():
+    """Under EAGLE/MTP vLLM keeps `num_speculative_blocks` more Mamba blocks at the end of the table, once per
+    request whatever the batches in flight; lookahead slots are not allocated in align mode."""
+    from offload_connector.groups import describe_groups
+
+    _, plain = describe_groups(_hybrid(mamba_cache_mode="align"), 512, lookahead_tokens=2, batches_in_flight=2)
+    _, spec = describe_groups(_hybrid(mamba_cache_mode="align", num_speculative_blocks=2), 512, lookahead_tokens=2,
+                              batches_in_flight=2)
+    assert (plain.spec_blocks, spec.spec_blocks) == (0, 2)
+    assert plain.live_ceiling == 3 and spec.live_ceiling == 5
 
 
 def test_a_mamba_group_in_align_mode_restores_one_state_block():

@@ -10,6 +10,7 @@ and a loaded Mamba block holds the state of its boundary (the simulated worker t
 as no boundary's, and the driver states the block a resume reads rather than asking the connector).
 """
 
+import dataclasses
 import os
 import random
 
@@ -90,3 +91,118 @@ def test_a_ceiling_one_short_is_caught() -> None:
         mp.setattr(groups, "live_ceiling", one_short)
         out = run_case(case)
     assert out.peak_violations, out
+
+
+@st.composite
+def hybrid_cases_with_drafts(draw):
+    case = fuzz_case(draw, draw(hybrid_cases()).groups, speculative=True)
+    # vLLM 0.34 schedules nothing for a hybrid under a draft model with a 64-token budget (`fuzz.with_mamba`).
+    return dataclasses.replace(case, max_num_batched_tokens=max(case.max_num_batched_tokens, 128))
+
+
+@settings(max_examples=int(os.environ.get("OFFLOAD_PROPERTY_EXAMPLES", "60")) // 2, deadline=None,
+          suppress_health_check=[HealthCheck.too_slow])
+@given(hybrid_cases_with_drafts())
+def test_mamba_hybrid_ledger_properties_under_speculative_decoding(case):
+    """EAGLE/MTP/n-gram drafts next to Mamba state: vLLM appends `num_speculative_blocks` state blocks to the group's
+    table (a load's first allocation included) and relocates them as the state moves; the ledger counts them."""
+    outcome = run_case(case)
+    assert outcome.mismatches == []
+    assert outcome.peak_violations == []
+    assert outcome.stalls == 0 and outcome.idle_zero_steps == 0
+    assert outcome.undrained == 0 and outcome.starved == []
+
+
+def _spec_hybrid_cases(n: int) -> list[FuzzCase]:
+    rng = random.Random(2605)
+    cases: list[FuzzCase] = []
+    while len(cases) < n:
+        case = random_case(rng)
+        if any(kind == "mamba" for kind, _, _ in case.groups) and case.num_spec_tokens:
+            cases.append(case)
+    return cases
+
+
+def test_speculative_blocks_are_counted_in_every_load() -> None:
+    """Without the speculative blocks in `load_blocks` the prediction of what a load takes is wrong."""
+    import offload_connector.scheduler.ledger as ledger
+
+    real = ledger.load_blocks
+
+    def without_spec(group, hit, local):
+        now, entries, live = real(group, hit, local)
+        return now - group.spec_blocks, entries - group.spec_blocks, live - group.spec_blocks
+
+    cases = _spec_hybrid_cases(6)
+    admissions = 0
+    for case in cases:
+        out = run_case(case)
+        assert out.ok, (case, out)
+        admissions += out.admissions
+    assert admissions > 0
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(ledger, "load_blocks", without_spec)
+        assert any(run_case(case).mismatches for case in cases)
+
+
+def test_under_drafts_a_state_is_stored_only_where_a_prefill_forward_wrote_it() -> None:
+    """In a decode step with drafts the forward leaves a boundary's state in a speculative block and vLLM copies the
+    accepted one into the boundary's block after sampling, later than the step's stores read it. So under
+    speculative decoding no Mamba window past the prompt is handed to the tier; without that rule one is."""
+    from offload_connector.groups import GroupKind
+    from offload_connector.scheduler import state as state_mod
+    from offload_connector.scheduler.stores import StorePlanner
+
+    real_plan = StorePlanner.plan
+    past_prompt: list[tuple[str, int, int]] = []
+
+    def watched(self, state, computed, block_ids):
+        real_plan(self, state, computed, block_ids)
+        prompt = state.request.num_prompt_tokens
+        for g in self.layout.groups:
+            if g.kind is GroupKind.MAMBA:
+                handed = max(state.window_next[g.index], state.spare_next.get(g.index, 0)) * g.block_size
+                if handed > prompt:
+                    past_prompt.append((state.request.request_id, prompt, handed))
+
+    cases = _spec_hybrid_cases(8)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(StorePlanner, "plan", watched)
+        for case in cases:
+            assert run_case(case).ok
+        assert past_prompt == []
+        mp.setattr(state_mod.Layout, "state_behind_drafts", property(lambda self: False))
+        for case in cases:
+            run_case(case)
+        assert past_prompt, "no decode step crossed a block boundary: the check above would be vacuous"
+
+
+def test_a_ceiling_one_short_is_caught_under_drafts() -> None:
+    """With speculative blocks in the ceiling, one block less is still caught by the peak check."""
+    import offload_connector.groups as groups
+
+    real = groups.live_ceiling
+
+    def one_short(kind, *args, **kwargs):
+        value = real(kind, *args, **kwargs)
+        return value - 1 if kind is groups.GroupKind.MAMBA else value
+
+    cases = _spec_hybrid_cases(8)
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(groups, "live_ceiling", one_short)
+        assert any(run_case(case).peak_violations for case in cases)
+
+
+def test_a_request_vllm_only_sized_reserves_nothing() -> None:
+    """vLLM's Mamba manager leaves an empty block list behind for a waiting request it sized and could not fit;
+    counted as holding blocks, three such requests each reserved their whole prompt against the others and none was
+    ever admitted (a stall found by the fuzz's hybrid cases with drafts)."""
+    case = FuzzCase(groups=(("mamba", 64, 0), ("sliding", 64, 128), ("mamba", 64, 1), ("mamba", 64, 0),
+                            ("full", 64, 0), ("sliding_mla", 64, 48)), max_num_batched_tokens=128,
+                    pool_factor=1.0809199575021355, sessions=((2312, 1, 1912, 240), (2342, 3, 1423, 813),
+                                                              (791, 4, 690, 1083), (77, 4, 27, 949),
+                                                              (945, 2, 269, 289)),
+                    reset_prefix_cache=False, return_gaps=(0, 1, 0, 0, 0), latency_steps=4, seed=680423852,
+                    num_spec_tokens=4, spec_method="ngram_gpu", pipeline_parallel_size=1)
+    out = run_case(case)
+    assert out.ok and out.stalls == 0 and out.admissions >= 3, out

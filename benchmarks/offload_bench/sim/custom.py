@@ -15,9 +15,10 @@ from offload_bench.sim.layouts import build_vllm_config
 GroupDesc = tuple[str, int, int]  # kind, block size, sliding window / attention chunk (0 for full)
 
 
-def cold_need(groups: Sequence[GroupDesc], length: int, in_flight: int) -> int:
+def cold_need(groups: Sequence[GroupDesc], length: int, in_flight: int, spec_blocks: int = 0) -> int:
     """Blocks a request of `length` tokens holds across `groups` when nothing is shared, with `in_flight` tokens
-    scheduled past a sliding window or chunk (what sizes a pool that can always run one such request)."""
+    scheduled past a sliding window or chunk (what sizes a pool that can always run one such request); a Mamba group
+    keeps `spec_blocks` speculative state blocks more."""
     total = 0
     for kind, bs, extent in groups:
         blocks = cdiv(length + 1, bs)
@@ -26,12 +27,12 @@ def cold_need(groups: Sequence[GroupDesc], length: int, in_flight: int) -> int:
         elif kind == "chunked":
             blocks = min(blocks, cdiv(extent + in_flight, bs))
         elif kind == "mamba":
-            blocks = min(blocks, cdiv(bs + in_flight, bs) + 1)
+            blocks = min(blocks, cdiv(bs + in_flight, bs) + 1) + spec_blocks
         total += blocks
     return total
 
 
-def make_spec(kind: str, block_size: int, extent: int) -> Any:
+def make_spec(kind: str, block_size: int, extent: int, spec_blocks: int = 0) -> Any:
     import torch
     from vllm.v1.kv_cache_interface import (
         ChunkedLocalAttentionSpec,
@@ -59,7 +60,7 @@ def make_spec(kind: str, block_size: int, extent: int) -> Any:
 
         page = FullAttentionSpec(**common).page_size_bytes
         return MambaSpec(block_size=block_size, shapes=((4, 32), (8, 32)), dtypes=(torch.bfloat16, torch.bfloat16),
-                         page_size_padded=max(page, 768), mamba_cache_mode="align",
+                         page_size_padded=max(page, 768), mamba_cache_mode="align", num_speculative_blocks=spec_blocks,
                          num_prefill_checkpoint_blocks=1 if extent else 0,
                          prefill_checkpoint_alignment=1 if extent else None)
     raise ValueError(kind)
@@ -148,7 +149,9 @@ def build_custom(groups: Sequence[GroupDesc], *, num_blocks: int, max_num_batche
         attach_speculative_config(vc, spec_method, num_speculative_tokens)
         if scheduler_cls is None:
             scheduler_cls = AsyncScheduler if async_scheduling else Scheduler
-    specs = [KVCacheGroupSpec([f"layers.{i}.attn"], make_spec(*g)) for i, g in enumerate(groups)]
+    # vLLM gives a Mamba layer one speculative state block per draft token (`MambaBase.get_kv_cache_spec`).
+    specs = [KVCacheGroupSpec([f"layers.{i}.attn"], make_spec(*g, spec_blocks=num_speculative_tokens))
+             for i, g in enumerate(groups)]
     sizes = [g[1] for g in groups]
     sched_bs, hash_bs = math.lcm(*sizes), math.gcd(*sizes)
     kc = KVCacheConfig(num_blocks=num_blocks, kv_cache_tensors=[], kv_cache_groups=specs)

@@ -168,10 +168,6 @@ def attach_mtp(vc: VllmConfig, num_speculative_tokens: int, lookahead_block_hash
     (`num_speculative_tokens`, `num_lookahead_tokens` = K for MTP, EAGLE's last-block drop on the draft's groups)."""
     from vllm.config import SpeculativeConfig
 
-    if vc.model_config.is_hybrid:
-        raise UnsupportedModelError(f"{_architecture(vc)} keeps Mamba/linear-attention state: speculative decoding is "
-                                    f"not simulated with it (the connector does not offload Mamba state under "
-                                    f"speculative decoding yet)")
     if not _is_deepseek_v4(vc):
         raise UnsupportedModelError(f"{_architecture(vc)}: speculative decoding is simulated only as DeepSeek V4's "
                                     f"MTP (its draft layers' KV caches are known); not for this model")
@@ -419,8 +415,8 @@ def _hopper_gdn_prefill_backend(hybrid: bool) -> Iterator[None]:
 
 
 def _refuse_unless_hybrid_in_align_mode(vc: VllmConfig) -> None:
-    """One line unless a model keeping Mamba/linear-attention state is a hybrid vLLM runs in align mode, without
-    speculative decoding (the only Mamba layout the connector restores)."""
+    """One line unless a model keeping Mamba/linear-attention state is a hybrid vLLM runs in align mode (the only
+    Mamba layout the connector restores)."""
     mc, cc = vc.model_config, vc.cache_config
     arch = _architecture(vc)
     if mc.is_attention_free or not mc.is_hybrid:
@@ -430,10 +426,6 @@ def _refuse_unless_hybrid_in_align_mode(vc: VllmConfig) -> None:
         raise UnsupportedModelError(f"{arch} keeps Mamba/linear-attention state, which the connector restores only "
                                     f"in vLLM's mamba_cache_mode 'align' (prefix caching on); this config runs "
                                     f"{cc.mamba_cache_mode!r}")
-    if vc.speculative_config is not None:
-        raise UnsupportedModelError(f"{arch} keeps Mamba/linear-attention state: speculative decoding is not "
-                                    "simulated with it (the connector does not offload Mamba state under speculative "
-                                    "decoding yet)")
 
 
 def _align_hybrid_block_size_as_on_cuda(vc: VllmConfig, backends: Sequence[type]) -> None:
