@@ -78,7 +78,7 @@ class OffloadConfig:
     # full block of every prompt, every boundary after it, prefixes found shared with an earlier request, and every
     # this-many tokens inside a prompt (rounded down to a multiple of every group's block size; 0: no checkpoints).
     # None ("auto"): derived from the layout (`scheduler.windows.checkpoint_spacing`): a checkpoint's windows take at
-    # most the host bytes of the full-attention KV between two checkpoints.
+    # most the CPU-tier slots of the full-attention KV between two checkpoints.
     window_checkpoint_tokens: int | None = None
     # Every other window too, as spare entries: they take only CPU-tier room nobody else uses (a free slot or another
     # spare entry's) and are evicted before anything else, so a tier with room resumes a prefix at any block boundary

@@ -11,9 +11,9 @@ the prompt useless (its full-attention blocks are there, its window is not). The
 * every `spacing` tokens inside the prompt (checkpoints): shared system prompts, tool prefixes and documents end
   anywhere, a checkpoint at most `spacing` tokens before. The spacing follows from the layout
   (`checkpoint_spacing`): a checkpoint stores one window of every sliding group, so checkpoints every S tokens cost
-  that window's bytes per S tokens; S is the smallest multiple of the hit alignment at which that is no more than
-  the full-attention KV of those S tokens. The host bytes per cached token then stay within twice the
-  full-attention bytes (vLLM's connector stores every group's every block) on any window, block size or group mix:
+  that window's tier slots per S tokens; S is the smallest multiple of the hit alignment at which that is no more
+  than the full-attention KV of those S tokens. The tier slots per cached token then stay within twice the
+  full-attention ones (vLLM's connector stores every group's every block) on any window, block size or group mix:
   window 128 at 1:1 layers gives every 128 tokens, Gemma 4 31B's five 1,024-token groups 10,240;
 * junctions: a boundary where a lookup found an earlier request's full-attention blocks but no window (the two
   requests share the prefix to there); the request computing through it stores the window so a third one can
@@ -29,6 +29,7 @@ windows nest, so each of its blocks serves every later point of the chunk, as a 
 from __future__ import annotations
 
 import math
+from fractions import Fraction
 from typing import Iterable, Sequence
 
 from offload_connector.groups import GroupInfo, GroupKind
@@ -64,15 +65,20 @@ def spare_points(scanned: int, upto: int, alignment: int, kept: Iterable[int]) -
 
 def checkpoint_spacing(groups: Sequence[GroupInfo], alignment: int) -> int:
     """Tokens between checkpoints for a layout: the smallest multiple of `alignment` at which one checkpoint's
-    sliding windows (every sliding group's blocks a request resuming there needs) take no more bytes than the
-    full-attention blocks of the tokens since the previous checkpoint. 0 when no group has a sliding window
-    (chunked-local blocks are kept at every boundary: `stores.py`); `alignment` when no group keeps every block."""
-    window_bytes = sum(len(g.restore_range(_DEEP - _DEEP % g.block_size)) * g.block_bytes
+    sliding windows (every sliding group's blocks a request resuming there needs) take no more CPU-tier slots than
+    the full-attention blocks of the tokens since the previous checkpoint. 0 when no group has a sliding window
+    (chunked-local blocks are kept at every boundary: `stores.py`); `alignment` when no group keeps every block.
+
+    Counted in slots, not block bytes: every block takes one slot of the largest group's block size
+    (`groups.tier_slots`), so a small block (DeepSeek-V4's 4- and 8-token compressor states) costs a whole slot. In
+    block bytes the windows of a DeepSeek-V4 checkpoint looked 1.4x cheaper than they are, and the tier filled with
+    them (the layout sweep's mooncake-synthetic case). Where every group's block has the same bytes the two agree."""
+    window_slots = sum(len(g.restore_range(_DEEP - _DEEP % g.block_size))
                        for g in groups if g.recycling and g.kind is not GroupKind.CHUNKED)
-    if window_bytes == 0:
+    if window_slots == 0:
         return 0
-    full_bytes_per_token = sum(g.block_bytes / g.block_size for g in groups if not g.recycling)
-    if full_bytes_per_token <= 0:
+    full_slots_per_token = sum((Fraction(1, g.block_size) for g in groups if not g.recycling), Fraction(0))
+    if full_slots_per_token <= 0:
         return alignment
-    tokens = math.ceil(window_bytes / full_bytes_per_token)
+    tokens = math.ceil(window_slots / full_slots_per_token)
     return max(alignment, -(-tokens // alignment) * alignment)

@@ -1,5 +1,6 @@
 """`windows.checkpoint_spacing`: the tokens between window checkpoints follow from the layout (a checkpoint's windows
-weigh no more than the full-attention KV between two checkpoints), and `window_checkpoint_tokens` "auto" selects it."""
+take no more CPU-tier slots than the full-attention KV between two checkpoints), and `window_checkpoint_tokens` "auto"
+selects it."""
 from __future__ import annotations
 
 import pytest
@@ -35,10 +36,21 @@ def test_the_spacing_is_a_multiple_of_the_alignment_and_grows_with_the_window() 
         s = checkpoint_spacing([sliding(0, window, 64, MiB), full(1, 64, MiB)], 64)
         assert s % 64 == 0 and s >= window and s > prev
         prev = s
-    # More full-attention bytes per token make checkpoints relatively cheaper: denser.
+    # Every block takes one tier slot of the largest group's block size: a window of smaller blocks costs as many
+    # slots as one of blocks as large as the full-attention ones.
     light = checkpoint_spacing([sliding(0, 1024, 16, MiB), full(1, 16, MiB)], 16)
     heavy = checkpoint_spacing([sliding(0, 1024, 16, MiB), full(1, 16, 4 * MiB)], 16)
-    assert heavy < light
+    assert heavy == light
+
+
+def test_deepseek_v4_windows_are_priced_in_slots_not_block_bytes() -> None:
+    # DeepSeek-V4-Flash: compressed MLA in 256-token blocks (the largest, so the slot) and four sliding groups whose
+    # restorable window is 2 + 2 + 2 + 16 blocks. In block bytes the windows weigh 4,013 full-attention tokens
+    # (4,096 at the alignment); each of the 22 blocks takes a whole slot, which 22 x 256 = 5,632 tokens of MLA fill.
+    groups = [sliding(0, 128, 64, 823_680), sliding(1, 128, 64, 786_240), full(2, 256, 1_002_240),
+              sliding(3, 8, 4, 49_152), sliding(4, 128, 8, 656_640)]
+    assert sum(len(g.restore_range(1 << 20)) for g in groups if g.recycling) == 22
+    assert checkpoint_spacing(groups, 256) == 5632
 
 
 def test_no_sliding_group_means_no_checkpoints_and_no_full_group_every_boundary() -> None:
