@@ -44,6 +44,8 @@ class FuzzOutcome:
     # leaves small pools idle a step or two under PP with speculative decoding (e.g. 2 free blocks, a request
     # waiting for its drafts, the next one for 3 blocks), with or without a connector's verdict in it.
     vllm_idle_steps: int = 0
+    # Idle steps whose only verdict deferred a load whose own exact need did not fit the free pool (see `run_case`).
+    idle_exact_holds: int = 0
     undrained: int = 0
     admissions: int = 0
     loaded_tokens: int = 0
@@ -219,6 +221,7 @@ def run_case(case: FuzzCase, max_steps: int = 20_000) -> FuzzOutcome:
     def step() -> None:
         c = drv.side.counters
         held_before = c.deferrals + c.held_for_older + c.not_started
+        waited_before = c.held_for_older + c.not_started
         rec = drv.step()
         waits.observe(drv)
         if not rec.idle_while_waiting:
@@ -236,10 +239,18 @@ def run_case(case: FuzzCase, max_steps: int = 20_000) -> FuzzOutcome:
         # back behind such a deferred load would have waited behind it in vLLM's own first-come, first-served scan.
         # With no request waiting, the running requests were not scheduled for another reason (one short of blocks
         # is preempted into a waiting queue).
+        # One exception, counted apart: the only verdict was a load deferred while no other request reserved
+        # anything, so because its own exact need through its prompt did not fit the free pool. That is vLLM's own
+        # full-sequence gate, counted exactly: vLLM let the request through on its arithmetic, which undercounts
+        # Mamba state under PP (a state block per batch in flight); started, it would have had to be preempted.
         held = c.deferrals + c.held_for_older + c.not_started > held_before
         runnable = startable_waiting_ids(sched)
         if runnable and held:
-            outcome.idle_zero_steps += 1
+            own_need = c.held_for_older + c.not_started == waited_before and drv.side.snapshot().reserved_blocks == 0
+            if own_need:
+                outcome.idle_exact_holds += 1
+            else:
+                outcome.idle_zero_steps += 1
         else:
             outcome.vllm_idle_steps += 1
 

@@ -44,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
         tqdm = None
     rng = random.Random(args.seed)
     totals = {"examples": 0, "mismatches": 0, "peak_violations": 0, "loads_peak_checked": 0, "stalls": 0, "idle_zero_token_steps": 0,
-              "idle_steps_vllm_own": 0, "undrained": 0,
+              "idle_steps_vllm_own": 0, "idle_steps_exact_need": 0, "undrained": 0,
               "starved": 0, "deferred_loads": 0, "longest_deferral": 0,
               "errors": 0, "admitted_loads": 0, "loaded_tokens": 0, "deferrals": 0, "too_big": 0,
               "drafts_scheduled": 0, "drafts_accepted": 0}
@@ -81,6 +81,7 @@ def main(argv: list[str] | None = None) -> int:
         totals["stalls"] += out.stalls
         totals["idle_zero_token_steps"] += out.idle_zero_steps
         totals["idle_steps_vllm_own"] += out.vllm_idle_steps
+        totals["idle_steps_exact_need"] += out.idle_exact_holds
         totals["undrained"] += out.undrained
         totals["starved"] += len(out.starved)
         totals["deferred_loads"] += out.deferred_loads
