@@ -104,6 +104,9 @@ def _instrument(self):
                 tr["stored_blocks"][k[0]] += 1
                 if k in spare:
                     tr["stored_spare"][k[0]] += 1
+                    tr.setdefault("ever_spare", set()).add(k)
+                else:
+                    tr.setdefault("ever_regular", set()).add(k)
                 tr["ever"].add(k)
             return res
         tier.begin_store = begin_store
@@ -128,7 +131,22 @@ def _instrument(self):
             ready = [tier.is_ready(keys(g.index, i)) for i in range(nb)]
             pol = tier.policy
             first_ready = next((i for i, x in enumerate(ready) if x), None)
-            return {"any_ready_tokens": sum(ready) * g.block_size,
+            fa = 0
+            while fa < nb and ready[fa]:
+                fa += 1
+            P = fa * g.block_size
+            P -= P % side.layout.alignment
+            win = {}
+            if P > 0:
+                for sg in side.groups:
+                    if not sg.recycling:
+                        continue
+                    need = [keys(sg.index, i) for i in sg.restore_range(P)]
+                    win[sg.index] = dict(need=len(need), ready=sum(tier.is_ready(k) for k in need),
+                                         spare_now=sum(tier.has(k) and tier.is_spare(k) for k in need),
+                                         ever_spare=sum(k in tr.get("ever_spare", ()) for k in need),
+                                         ever_regular=sum(k in tr.get("ever_regular", ()) for k in need))
+            return {"any_ready_tokens": sum(ready) * g.block_size, "fa_prefix": P, "win": win,
                     "first_ready_token": None if first_ready is None else first_ready * g.block_size,
                     "bias": round(getattr(pol, "bias", 0.0), 3),
                     "protected": len(getattr(pol, "_protected", ())),
@@ -210,7 +228,8 @@ def _instrument(self):
                 tr.setdefault("snaps", {})[request.request_id] = snapshot(self)
             first = prev.get("first") or {"ans": res[0], "any_ready": ei.get("any_ready_tokens"),
                                           "first_ready": ei.get("first_ready_token"), "local": num_computed_tokens}
-            tr["lk"][request.request_id] = {"first": first, "local": num_computed_tokens, "ans": res[0],
+            _lt = _LAST_T.get(id(rec), None)
+            tr["lk"][request.request_id] = {"first": first, "t_first": prev.get("t_first", _lt), "t_last": _lt, "local": num_computed_tokens, "ans": res[0],
                                             "ever": ever_prefix(request), **ei,
                                             "n": prev.get("n", 0) + 1, "none": prev.get("none", 0) + (res[0] is None)}
         return res
@@ -218,6 +237,33 @@ def _instrument(self):
 
 
 C.ReplayEngine._instrument = _instrument
+
+from offload_bench.replay import metrics as M
+_LAST_T = {}
+_o_sched = M.Recorder.on_schedule
+def _on_schedule(self, out, requests):
+    for rid in out.num_scheduled_tokens:
+        r = self.reqs.get(rid)
+        if r is not None and r.first_hit is None:
+            r.sched_t = _LAST_T.get(id(self), 0.0)
+            r.sched_n = 0
+        if r is not None and getattr(r, "sched_n", None) is not None and r.first_token is None:
+            r.sched_n += 1
+    return _o_sched(self, out, requests)
+M.Recorder.on_schedule = _on_schedule
+_o_loaded = M.Recorder.on_loaded
+def _on_loaded(self, rid, tokens):
+    r = self.reqs.get(rid)
+    if r is not None:
+        r.loaded_t = _LAST_T.get(id(self))
+    return _o_loaded(self, rid, tokens)
+M.Recorder.on_loaded = _on_loaded
+_o_applied = M.Recorder.on_applied
+def _on_applied(self, eo, t):
+    res = _o_applied(self, eo, t)
+    _LAST_T[id(self)] = t
+    return res
+M.Recorder.on_applied = _on_applied
 
 _orig_finish = R._finish
 
@@ -253,7 +299,11 @@ def _finish(kind, eng, clock, total, stall_step, reason, wall):
                          restor=r.cpu_prefix, resident=r.resident, ever=lk.get("ever"), loaded=r.loaded,
                          prefill=r.prefill_computed, recomputed=rec, lookups=lk.get("n"), deferred=lk.get("none"),
                          phase=r.phase, any_ready=lk.get("any_ready_tokens"), first_lookup=lk.get("first"), first_ready=lk.get("first_ready_token"),
-                         bias=lk.get("bias"), protected=lk.get("protected"), **{"c_" + k: v for k, v in parts.items()}))
+                         bias=lk.get("bias"), protected=lk.get("protected"), fa_prefix=lk.get("fa_prefix"),
+                         win=lk.get("win"), first_token=r.first_token, sched_t=getattr(r, "sched_t", None),
+                         t_lookup_first=lk.get("t_first"), t_lookup_last=lk.get("t_last"), loaded_t=getattr(r, "loaded_t", None),
+                         steps_to_first_token=getattr(r, "sched_n", None),
+                         ttft=None if r.first_token is None else r.first_token - r.arrival, **{"c_" + k: v for k, v in parts.items()}))
     info = {"connector": kind, "recomputed_total": out.result.tokens_recomputed, "categories": dict(cats),
             "stored_blocks_per_group": dict(tr["stored_blocks"]), "stored_spare_per_group": dict(tr["stored_spare"])}
     side = eng.side
