@@ -25,7 +25,7 @@ ATTENTION = ["full", "mla", "sliding", "sliding_mla"]
 
 
 @st.composite
-def hybrid_cases(draw):
+def hybrid_groups(draw):
     bs = draw(st.sampled_from([16, 32, 64]))  # align mode: attention and Mamba share one block size
     groups = [("full", bs, 0)]
     for _ in range(draw(st.integers(0, 2))):
@@ -34,7 +34,23 @@ def hybrid_cases(draw):
         groups.append((kind, bs, extent))
     for _ in range(draw(st.integers(1, 3))):
         groups.insert(draw(st.integers(0, len(groups))), ("mamba", bs, draw(st.sampled_from([0, 1]))))
-    return fuzz_case(draw, groups, speculative=False)
+    return groups
+
+
+@st.composite
+def hybrid_cases(draw):
+    return fuzz_case(draw, draw(hybrid_groups()), speculative=False)
+
+
+def _mamba_ceiling_one_short(real):
+    """`groups.live_ceiling` with one block less for every Mamba group."""
+    from offload_connector.groups import GroupKind
+
+    def one_short(kind, *args, **kwargs):
+        value = real(kind, *args, **kwargs)
+        return value - 1 if kind is GroupKind.MAMBA else value
+
+    return one_short
 
 
 @settings(max_examples=int(os.environ.get("OFFLOAD_PROPERTY_EXAMPLES", "60")), deadline=None,
@@ -81,21 +97,15 @@ def test_a_ceiling_one_short_is_caught() -> None:
                     sessions=((900, 4, 900, 300), (1500, 3, 1000, 200)), reset_prefix_cache=True, return_gaps=(0, 3),
                     latency_steps=2, seed=5)
     assert run_case(case).ok
-    real = groups.live_ceiling
-
-    def one_short(kind, *args, **kwargs):
-        value = real(kind, *args, **kwargs)
-        return value - 1 if kind is groups.GroupKind.MAMBA else value
-
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(groups, "live_ceiling", one_short)
+        mp.setattr(groups, "live_ceiling", _mamba_ceiling_one_short(groups.live_ceiling))
         out = run_case(case)
     assert out.peak_violations, out
 
 
 @st.composite
 def hybrid_cases_with_drafts(draw):
-    case = fuzz_case(draw, draw(hybrid_cases()).groups, speculative=True)
+    case = fuzz_case(draw, draw(hybrid_groups()), speculative=True)
     # vLLM 0.34 schedules nothing for a hybrid under a draft model with a 64-token budget (`fuzz.with_mamba`).
     return dataclasses.replace(case, max_num_batched_tokens=max(case.max_num_batched_tokens, 128))
 
@@ -181,15 +191,9 @@ def test_a_ceiling_one_short_is_caught_under_drafts() -> None:
     """With speculative blocks in the ceiling, one block less is still caught by the peak check."""
     import offload_connector.groups as groups
 
-    real = groups.live_ceiling
-
-    def one_short(kind, *args, **kwargs):
-        value = real(kind, *args, **kwargs)
-        return value - 1 if kind is groups.GroupKind.MAMBA else value
-
     cases = _spec_hybrid_cases(8)
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(groups, "live_ceiling", one_short)
+        mp.setattr(groups, "live_ceiling", _mamba_ceiling_one_short(groups.live_ceiling))
         assert any(run_case(case).peak_violations for case in cases)
 
 
