@@ -40,7 +40,7 @@ CHUNK_BYTES = 512
 _K = 0x9E3779B97F4A7C15
 _MASK = (1 << 64) - 1
 # Rows gathered per batch, in bytes ("gather" body): large batches keep the CUDA launch count low; the bound keeps
-# the temporary small next to the KV cache.
+# the temporary small next to the KV cache, and a device too full for it halves it (`BlockChecksummer._gathered`).
 CPU_BATCH_BYTES = 1 << 20
 CUDA_BATCH_BYTES = 256 << 20
 # The "serial" body's largest op, in words: below torch's intra-op grain (at::internal::GRAIN_SIZE, 32,768 elements),
@@ -119,22 +119,53 @@ class BlockChecksummer:
                 continue
             blocks = page.words.view(-1, page.chunks, page.chunk_words)
             row_words = page.chunks * page.chunk_words
-            if method == "gather" or row_words <= SERIAL_WORDS:
-                per_batch = (max(1, self.batch_bytes // max(1, page.row_bytes)) if method == "gather"
-                             else SERIAL_WORDS // row_words)
+            if method == "gather":
+                start = self._gathered(page, blocks, ids, out)
+                if start < n:  # not even one row's temporaries fit on the device: the rest in place
+                    self._in_place(page, blocks, ids_np[start:], out[start:])
+            elif row_words <= SERIAL_WORDS:
+                per_batch = SERIAL_WORDS // row_words
                 for start in range(0, n, per_batch):
-                    sel = ids[start:start + per_batch]
-                    sums = blocks.index_select(0, sel).sum(-1, dtype=torch.int64)
-                    out[start:start + sel.numel()] += (sums * page.weights).sum(-1)
-                continue
-            per_piece = max(1, SERIAL_WORDS // page.chunk_words)  # chunks reduced per call
-            sums = torch.empty(page.chunks, dtype=torch.int64, device=self.device)
-            for j, b in enumerate(ids_np.tolist()):
-                row = blocks[b]
-                for c0 in range(0, page.chunks, per_piece):
-                    torch.sum(row[c0:c0 + per_piece], -1, dtype=torch.int64, out=sums[c0:c0 + per_piece])
-                out[j] += (sums * page.weights).sum()
+                    self._add_batch(page, blocks, ids[start:start + per_batch], out[start:start + per_batch])
+            else:
+                self._in_place(page, blocks, ids_np, out)
         return out
+
+    @staticmethod
+    def _add_batch(page: _Page, blocks: torch.Tensor, sel: torch.Tensor, out: torch.Tensor) -> None:
+        sums = blocks.index_select(0, sel).sum(-1, dtype=torch.int64)
+        out += (sums * page.weights).sum(-1)
+
+    def _gathered(self, page: _Page, blocks: torch.Tensor, ids: torch.Tensor, out: torch.Tensor) -> int:
+        """Adds the checksums of `ids` to `out` in batches of `batch_bytes`; returns how many rows it covered (all
+        of them unless a single row's temporaries do not fit on the device).
+
+        vLLM sizes the KV cache to the memory limit before the connector gets it, so a batch's temporaries may not
+        fit: the batch is halved until they do and stays that size (`out` is only added to once a batch's sums
+        exist, so a batch that failed is simply done again)."""
+        n, start = int(ids.numel()), 0
+        while start < n:
+            per_batch = max(1, self.batch_bytes // max(1, page.row_bytes))
+            try:
+                self._add_batch(page, blocks, ids[start:start + per_batch], out[start:start + per_batch])
+            except torch.OutOfMemoryError:
+                if per_batch == 1:
+                    return start
+                self.batch_bytes = max(1, per_batch // 2) * page.row_bytes
+                continue
+            start += per_batch
+        return n
+
+    @staticmethod
+    def _in_place(page: _Page, blocks: torch.Tensor, ids_np: np.ndarray, out: torch.Tensor) -> None:
+        """One row at a time, reduced piece by piece into a buffer of one int64 per chunk: no row-sized temporary."""
+        per_piece = max(1, SERIAL_WORDS // page.chunk_words)  # chunks reduced per call
+        sums = torch.empty(page.chunks, dtype=torch.int64, device=out.device)
+        for j, b in enumerate(ids_np.tolist()):
+            row = blocks[b]
+            for c0 in range(0, page.chunks, per_piece):
+                torch.sum(row[c0:c0 + per_piece], -1, dtype=torch.int64, out=sums[c0:c0 + per_piece])
+            out[j] += (sums * page.weights).sum()
 
 
 class PendingSums(Completion):

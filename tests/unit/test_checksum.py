@@ -152,3 +152,34 @@ def test_cuda_transfer_engine_verifies_loads_in_stream_order():
     engine.submit_load(TransferJob(3, "c", ((12,),), ((1,),)))
     (result,) = engine.drain()
     assert not result.ok and result.verify_failed
+
+
+@pytest.mark.parametrize("rows_that_fit", [5, 1, 0])
+def test_a_device_too_full_for_the_gather_halves_it_and_gives_the_same_sums(monkeypatch, rows_that_fit):
+    """vLLM sizes the KV cache to the memory limit before the connector gets it: the gather body's temporaries (up
+    to 256 MiB on CUDA) may not fit next to it. An out-of-memory error halves the batch until it fits and keeps it
+    that size; where not even one row's temporaries fit, the rows are reduced in place. The sums never change."""
+    views, offsets = pages_of((4096, 1536), (0, 8), blocks=24)
+    segments = [[0, 1]]
+    ids = [3, 17, 0, 23, 9, 11, 4, 5, 20, 1, 2, 8, 13]
+    want = reference(views, segments, offsets, 0, ids)
+    real, gathered = torch.Tensor.index_select, []
+
+    def index_select(self, dim, index):
+        gathered.append(int(index.numel()))
+        if index.numel() > rows_that_fit:
+            raise torch.OutOfMemoryError("CUDA out of memory (simulated)")
+        return real(self, dim, index)
+
+    summer = BlockChecksummer(views, segments, offsets, batch_bytes=16 * 4096)
+    monkeypatch.setattr(torch.Tensor, "index_select", index_select)
+    got = summer.compute(0, ids, method="gather").tolist()
+    assert got == want
+    if rows_that_fit:
+        assert max(g for g in gathered if g <= rows_that_fit) == rows_that_fit  # halved to what fits, no further
+        assert summer.batch_bytes // 4096 <= rows_that_fit  # and kept there for the next call
+        gathered.clear()
+        assert summer.compute(0, ids[:4], method="gather").tolist() == want[:4]
+        assert all(g <= rows_that_fit for g in gathered)
+    else:
+        assert all(g > 0 for g in gathered) and summer.batch_bytes <= 4096  # down to one row, then in place
