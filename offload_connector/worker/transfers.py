@@ -301,6 +301,7 @@ class TransferEngine:
     def order_compute_after_loads(self, job_ids: Sequence[int]) -> None:
         """Before a forward pass: it may read (or, once vLLM reuses them, write) the blocks of these ordered loads,
         and every later forward may too. On CUDA the compute stream waits for their copies; elsewhere the host."""
+        self.landing.fenced(job_ids)
         self._fenced_loads.update(job_ids)
         if not self._fenced_loads:
             return
@@ -399,6 +400,10 @@ class TransferEngine:
                                    job.groups[first], job.gpu_blocks[first], job.host_slots[first])
             done.append(JobResult(flight.kind, flight.job, ok, time.perf_counter() - flight.started,
                                   flight.nbytes, verify_failed))
+        if self._ordered_loads:
+            for result in done:
+                if result.kind == "load":
+                    self.landing.reported(result.job.job_id)
         return done
 
     def pending(self) -> int:

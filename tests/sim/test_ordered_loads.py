@@ -69,6 +69,51 @@ def test_the_step_time_ignores_one_jump_over_an_idle_stretch():
     assert est.step_s == pytest.approx(0.015)
 
 
+def test_the_horizon_is_the_time_from_a_report_to_the_forward_that_first_fences_it():
+    # Pipeline parallel with several batches in flight: three 8 ms forwards, then a step that schedules nothing and
+    # waits for the queued batches, whose outputs the worker polls at one instant. Polls come 25 ms apart, but a load
+    # reported at such a poll is fenced by the forward 1 ms later: the horizon is that 1 ms, not the 25.
+    clock = Clock()
+    est = LandingEstimate(clock)
+    est.submitted(1, 10**9)
+    t, job = 0.0, 100
+    for _ in range(8):
+        t += 0.024
+        clock.t = t
+        for _ in range(4):
+            est.poll()
+        est.reported(job)  # some load reported at this burst
+        t += 0.001
+        clock.t = t
+        est.fenced([job, 99999])  # the next forward is the first the scheduler ran it in (an unknown id is ignored)
+        job += 1
+    est.landed(1, seconds=0.02)  # 50 GB/s
+    assert est.step_s == pytest.approx(0.025)
+    assert est.horizon_s == pytest.approx(0.001)
+    est.submitted(2, 10**9)  # lands 20 ms on
+    clock.t = t + 0.016
+    est.poll()  # 4 ms before it lands: within the 25 ms between polls, not by the forward that would read it
+    assert not est.lands_within_a_step(2)
+    clock.t = t + 0.0195
+    est.poll()
+    assert est.lands_within_a_step(2)  # 0.5 ms before: by then
+
+
+def test_until_a_reported_load_is_fenced_the_step_time_is_the_horizon():
+    clock = Clock()
+    est = LandingEstimate(clock)
+    for t in (0.015, 0.030, 0.045):
+        clock.t = t
+        est.poll()
+        est.reported(int(t * 1000))  # never fenced (say, their requests were aborted)
+    assert est.horizon_s == est.step_s == pytest.approx(0.015)
+    est.fenced([15])  # now, at 0.045: 30 ms after the poll that reported it
+    assert est.horizon_s == pytest.approx(0.030)
+    for j in range(2000):  # reported loads no fence ever names are not kept without bound
+        est.reported(10_000 + j)
+    assert len(est._reported) <= 1024
+
+
 def test_without_device_timing_the_rate_errs_low():
     clock = Clock()
     est = LandingEstimate(clock)
