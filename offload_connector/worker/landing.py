@@ -11,11 +11,13 @@ load is reported late rather than early). Until one load has landed nothing is r
 
 The horizon is measured on the loads reported before: the scheduler names each reported load in the metadata of the
 first step it schedules after learning of it (`load_fences`), so the time from the poll that reported a load to the
-forward that first fences it is exactly the time its report bought; the horizon is the median of the last few. What
-it comes to depends on the engine: about one step under async scheduling (the scheduler reads a step's report only
-after scheduling the next batch), the next forward without it, and under pipeline parallelism with several batches
-in flight a fraction of the time between polls, which there come in bursts (a step that schedules nothing waits for
-the queued batches, and the worker polls once per batch at one instant, then not again for a whole round). Until a
+forward that first fences it is exactly the time its report bought; the horizon is the shortest of the last few (a
+forward that waits for a copy holds back every request in its batch, a report that comes late only the loaded
+request, so the horizon errs short). What it comes to depends on the engine: about one step under async scheduling
+(the scheduler reads a step's report only after scheduling the next batch), the next forward without it, and under
+pipeline parallelism with several batches in flight a fraction of the time between polls, which there come in
+bursts (a step that schedules nothing waits for the queued batches, and the worker polls once per batch at one
+instant, then not again for a whole round). Until a
 reported load has been fenced, the time between polls (the median of the last few, so that an idle engine's quick
 empty steps or a jump over an idle stretch do not count as a step) stands in for it.
 """
@@ -27,7 +29,7 @@ from statistics import median
 from typing import Callable, Iterable
 
 _SMOOTHING = 0.5  # weight of the newest sample in the running link rate
-_STEPS = 8  # poll intervals the step time is the median of, and report-to-fence gaps the horizon is
+_STEPS = 8  # poll intervals the step time is the median of; report-to-fence gaps the horizon is the least of
 _UNFENCED = 1024  # reported loads kept waiting for their fence (a load of an aborted request may never get one)
 
 
@@ -59,9 +61,9 @@ class LandingEstimate:
 
     @property
     def horizon_s(self) -> float | None:
-        """How long after a poll the forward that reads a load reported there starts: the median of the last
-        report-to-fence gaps, or the step time until one has been seen."""
-        return median(self._gaps) if self._gaps else self.step_s
+        """How long after a poll the forward that reads a load reported there starts, at the soonest: the shortest
+        of the last report-to-fence gaps, or the step time until one has been seen."""
+        return min(self._gaps) if self._gaps else self.step_s
 
     def reported(self, job_id: int) -> None:
         """The load was reported to vLLM at this poll (landed or not, failed or not: the scheduler fences each)."""
