@@ -111,6 +111,13 @@ class AdmissionControl:
                 hit = longest_hit(layout.groups, keys, self.tier.is_ready, upper, layout.alignment, full_tokens=full)
         junction = full - full % layout.alignment
         state = self.requests.get(request.request_id)
+        if state is not None and layout.has_recycling and state.window_scanned > max(hit, local):
+            # Preempted past every point the tiers and vLLM can restore: what it computed since is lost, and the
+            # windows it passed were handed over once (as spare ones, which a full tier skips) and are never offered
+            # again, so each preemption would cost the same recompute. Keep the point it had reached as a junction
+            # (a regular window) and plan its windows again, as after a failed load.
+            state.junctions.add(state.window_scanned)
+            state.restart_windows()
         if state is not None and state.unshared is None:
             # `full` is the whole prompt when no group is full attention: then only the hit and the GPU prefix tell.
             state.unshared = max(full if layout.has_full else 0, hit, local) == 0

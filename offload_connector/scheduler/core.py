@@ -273,13 +273,7 @@ class OffloadScheduler:
             # flight), past the prefix whose entries the failure just dropped: the recompute stores it again from the
             # start, with a window at the hit as the stored one had (entries still in the tier are skipped).
             state.junctions.add(state.window_scanned)
-            self._restart_stores(state)
-
-    def _restart_stores(self, state: ReqState) -> None:
-        state.full_stored = [0] * len(self.groups)
-        state.window_next = [0] * len(self.groups)
-        state.spare_next = {}
-        state.window_scanned = 0
+            state.restart_stores()
 
     def _finish_store(self, job_id: int, ok: bool) -> None:
         rid = self.jobs.finish_store(job_id, ok)
@@ -325,7 +319,7 @@ class OffloadScheduler:
             second.after_tier_clear()
         for state in self._requests.values():
             if not state.finished:
-                self._restart_stores(state)
+                state.restart_stores()
         self.resets += 1
         logger.info("offload_connector: CPU tier reset: %d slots freed, %d kept until %d in-flight copies finish",
                     before - self.tier.used_slots(), self.tier.used_slots(), self.jobs.num_retired())

@@ -108,6 +108,17 @@ class ReqState:
     # Its stores say so to the eviction policy (`EvictionPolicy.unshared`).
     unshared: bool | None = None
 
+    def restart_windows(self) -> None:
+        """Plan every window point from the start again (the blocks of points the tier still holds are skipped)."""
+        self.window_next = [0] * len(self.window_next)
+        self.spare_next = {}
+        self.window_scanned = 0
+
+    def restart_stores(self) -> None:
+        """Plan every store from the start again: the full-attention blocks too."""
+        self.full_stored = [0] * len(self.full_stored)
+        self.restart_windows()
+
 
 @dataclass
 class SchedulerCounters:
