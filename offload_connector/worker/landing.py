@@ -17,9 +17,9 @@ request, so the horizon errs short). What it comes to depends on the engine: abo
 (the scheduler reads a step's report only after scheduling the next batch), the next forward without it, and under
 pipeline parallelism with several batches in flight a fraction of the time between polls, which there come in
 bursts (a step that schedules nothing waits for the queued batches, and the worker polls once per batch at one
-instant, then not again for a whole round). Until a
-reported load has been fenced, the time between polls (the median of the last few, so that an idle engine's quick
-empty steps or a jump over an idle stretch do not count as a step) stands in for it.
+instant, then not again for a whole round). Until a reported load has been fenced, the time between polls (the
+median of the last few, so that an idle engine's quick empty steps or a jump over an idle stretch do not count as a
+step) stands in for it.
 """
 
 from __future__ import annotations
