@@ -102,13 +102,13 @@ class OffloadConfig:
     # A load not landed after this many seconds is reported failed (vLLM's kv_load_failure_policy decides between
     # recomputing and failing the request); 0 disables the deadline.
     load_timeout_s: float = 60.0
-    # When the worker reports a load to vLLM as finished. "landed": once its bytes are on the GPU. "ordered": once
-    # its copy is issued and should land within a step (worker/landing.py); the scheduler then names the load in the
-    # metadata of the first step whose forward pass may read its blocks, and the worker orders that forward (and
-    # every later copy) after the copy on the device (stream order on CUDA, a host wait elsewhere). Under async
-    # scheduling that runs a loaded request up to a step sooner; the GPU waits only if that forward would start
-    # before the copy lands. With verify_loads every load is reported once landed, since its checksums can still
-    # fail it after the copy.
+    # When the worker reports a load to vLLM as finished. "landed": once its bytes are on the GPU. "ordered": once its
+    # copy is issued and should land before the forward that reads it (worker/landing.py); the scheduler then names the
+    # load in the metadata of the first step whose forward pass may read its blocks, and the worker orders that forward
+    # (and every later copy) after the copy on the device (stream order on CUDA, a host wait elsewhere). Under async
+    # scheduling that runs a loaded request up to a step sooner; the GPU waits only if that forward would start before
+    # the copy lands. With verify_loads every load is reported once landed, since its checksums can still fail it after
+    # the copy.
     load_completion: str = "ordered"
     # How the worker moves bytes; "auto" measures the candidates at start-up on a GPU.
     transfer_backend: str = "auto"

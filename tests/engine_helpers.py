@@ -692,7 +692,7 @@ class _LateCompletion:
 
 def _late_copies(delay_s: float, report_early: bool = True, fenced: bool = True) -> None:
     """Test aid for ordered load reports in a real CPU engine: every load's copy (host -> KV cache) lands `delay_s`
-    after it is issued; with `report_early` the worker treats every issued load as landing within a step, so it is
+    after it is issued; with `report_early` the worker treats every issued load as landing in time, so it is
     reported to vLLM at once and the next forward must wait for it (the load fence). `fenced=False` removes that
     fence, to show the comparison catches a forward that reads a load before it landed."""
     from offload_connector.kernels import host_copy
@@ -705,7 +705,7 @@ def _late_copies(delay_s: float, report_early: bool = True, fenced: bool = True)
         return _LateCompletion(lambda: real(self, direction, ids, stream), delay_s)
     host_copy.HostCopier._copy = copy
     if report_early:
-        landing.LandingEstimate.lands_within_a_step = lambda self, job_id: True
+        landing.LandingEstimate.lands_in_time = lambda self, job_id: True
     if not fenced:
         transfers.TransferEngine.order_compute_after_loads = lambda self, job_ids: None
 

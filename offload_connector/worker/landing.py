@@ -102,7 +102,7 @@ class LandingEstimate:
         """A load that copied nothing (failed when issued)."""
         self._queue.pop(job_id, None)
 
-    def lands_within_a_step(self, job_id: int) -> bool:
+    def lands_in_time(self, job_id: int) -> bool:
         """Whether the load should have landed by the time the forward that reads it starts (`horizon_s` from this
         poll), behind the loads queued before it."""
         horizon_s = self.horizon_s

@@ -13,11 +13,11 @@ it lands it stays a "zombie", and every later copy and forward pass is ordered a
 a copy not issued yet, which only the debug section's `copy_delay_s` makes (worker/faults.py), is waited for on
 the host).
 
-With `ordered_loads` (load_completion "ordered"), a load is reported finished before its bytes land once its copy
-is issued and should land within a step (`landing.LandingEstimate`). Until they land it stays "ordered"
-(`_ordered`): every later copy is ordered after it like a zombie's (a store may reuse the host slots it still
-reads), and so is every forward pass from the step whose `load_fences` name it (the first whose forward may read
-its blocks) on. Checksums can fail a load after its copy, so with them every load is reported once landed.
+With `ordered_loads` (load_completion "ordered"), a load is reported finished before its bytes land once its copy is
+issued and should land before the forward that reads it (`landing.LandingEstimate`). Until they land it stays "ordered"
+(`_ordered`): every later copy is ordered after it like a zombie's (a store may reuse the host slots it still reads),
+and so is every forward pass from the step whose `load_fences` name it (the first whose forward may read its blocks) on.
+Checksums can fail a load after its copy, so with them every load is reported once landed.
 
 With `verify_loads` (a `SlotChecksums`), every store also queues the checksums of its source blocks right after its
 copy, kept per host slot once the store lands, and every load queues the checksums of its destination blocks right
@@ -346,7 +346,7 @@ class TransferEngine:
         for job_id, flight in list(self._jobs.items()):
             if flight.completion is not None and not flight.completion.query():
                 if (flight.kind == "load" and self._ordered_loads and flight.completion.started
-                        and self.landing.lands_within_a_step(job_id)):
+                        and self.landing.lands_in_time(job_id)):
                     # Every later copy and the forward the scheduler fences are ordered after it, and it should
                     # land before that forward starts: report it now.
                     del self._jobs[job_id]

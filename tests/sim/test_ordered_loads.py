@@ -36,7 +36,7 @@ def test_nothing_is_reported_early_before_a_load_has_landed():
     for t in (0.015, 0.030, 0.045):
         clock.t = t
         est.poll()
-        assert not est.lands_within_a_step(1)  # no rate known yet
+        assert not est.lands_in_time(1)  # no rate known yet
 
 
 def test_a_load_is_reported_when_it_lands_within_a_step_behind_the_loads_before_it():
@@ -53,11 +53,11 @@ def test_a_load_is_reported_when_it_lands_within_a_step_behind_the_loads_before_
     est.submitted(3, 10**9)  # behind it: 0.07
     clock.t = 0.045
     est.poll()
-    assert est.lands_within_a_step(2)  # 0.05 <= 0.045 + 0.015
-    assert not est.lands_within_a_step(3)  # 0.07 > 0.06
+    assert est.lands_in_time(2)  # 0.05 <= 0.045 + 0.015
+    assert not est.lands_in_time(3)  # 0.07 > 0.06
     clock.t = 0.060
     est.poll()
-    assert est.lands_within_a_step(3)
+    assert est.lands_in_time(3)
 
 
 def test_the_step_time_ignores_one_jump_over_an_idle_stretch():
@@ -93,10 +93,10 @@ def test_the_horizon_is_the_time_from_a_report_to_the_forward_that_first_fences_
     est.submitted(2, 10**9)  # lands 20 ms on
     clock.t = t + 0.016
     est.poll()  # 4 ms before it lands: within the 25 ms between polls, not by the forward that would read it
-    assert not est.lands_within_a_step(2)
+    assert not est.lands_in_time(2)
     clock.t = t + 0.0195
     est.poll()
-    assert est.lands_within_a_step(2)  # 0.5 ms before: by then
+    assert est.lands_in_time(2)  # 0.5 ms before: by then
 
 
 def test_until_a_reported_load_is_fenced_the_step_time_is_the_horizon():

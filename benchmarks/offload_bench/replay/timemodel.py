@@ -11,11 +11,11 @@ with scheduling hidden behind execution as under async scheduling.
 
 Transfers: a job of B bytes takes B / bandwidth seconds on its direction's copy stream (host->device for loads,
 device->host for stores); jobs in one direction run one after another, starting when they are issued (the start of
-the forward of the batch that carries them) or when the previous job ends. The worker reports a job finished at
-the end of the first batch that ends after it, which is when vLLM's worker checks for finished transfers. Our
-connector's worker, with load_completion "ordered", may report a load before that, once its copy is issued and it
-expects it to land within a step; the forward pass the scheduler then orders after it starts no earlier than the
-copy's end (`delay_batch_until`), and a copy ordered after it starts no earlier either.
+the forward of the batch that carries them) or when the previous job ends. The worker reports a job finished at the end
+of the first batch that ends after it, which is when vLLM's worker checks for finished transfers. Our connector's
+worker, with load_completion "ordered", may report a load before that, once its copy is issued and it expects it to land
+before the forward that reads it; the forward pass the scheduler then orders after it starts no earlier than the copy's
+end (`delay_batch_until`), and a copy ordered after it starts no earlier either.
 """
 
 from __future__ import annotations
