@@ -272,6 +272,10 @@ class AdmissionControl:
         request asked here holds no blocks)."""
         if self.config.admission_policy != "fair" or self.config.reservation != "exact":
             return False
+        state = self.requests.get(request.request_id)
+        if state is not None and state.gated_unscheduled:
+            # vLLM reserves its prompt for every async load until it runs: holding it would hold the load too.
+            return False
         older = self.fair.oldest_ahead_of(request)
         if older is None:
             return False
@@ -348,14 +352,17 @@ class AdmissionControl:
 
     # ------------------------------------------------------------------ ledger
     def rows(self, exclude: str | None = None) -> list[ledger.LedgerRow]:
-        """One row per request that holds blocks and has not finished its prompt: what it holds, what it may take."""
+        """One row per request that holds blocks (or that vLLM's gate still reserves for, `gated_unscheduled`) and
+        has not finished its prompt: what it holds, what it may take."""
         managers = self._kv().managers
         rows = []
         for rid, state in self.requests.items():
             # Holding blocks means a non-empty block list: vLLM's Mamba manager leaves an empty one behind when it
             # only sized a request that then did not fit (`req_to_blocks` is a defaultdict), and a request that
-            # holds nothing reserves nothing.
-            if rid == exclude or state.finished or not any(m.req_to_blocks.get(rid) for m in managers):
+            # holds nothing reserves nothing, unless vLLM's own gate still counts it.
+            if rid == exclude or state.finished:
+                continue
+            if not state.gated_unscheduled and not any(m.req_to_blocks.get(rid) for m in managers):
                 continue
             request = state.request
             if not _in_prefill(request):

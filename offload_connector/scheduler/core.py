@@ -203,6 +203,7 @@ class OffloadScheduler:
             state = self._requests.get(rid)
             if state is None or rid in self.jobs.loads:
                 continue
+            state.gated_unscheduled = False
             self.stores.plan(state, state.request.num_computed_tokens + n, None)
         self._watch(scheduler_output)
         loads, stores, delayed_free = self.jobs.take_step()
@@ -269,6 +270,7 @@ class OffloadScheduler:
             # prefill is not gated that way and clears the stale entry when it is scheduled.
             state.no_load = True
             state.requeue = True
+            state.gated_unscheduled = True
             # The admission moved store planning to the hit (window_scanned; nothing is planned while the load is in
             # flight), past the prefix whose entries the failure just dropped: the recompute stores it again from the
             # start, with a window at the hit as the stored one had (entries still in the tier are skipped).

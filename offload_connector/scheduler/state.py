@@ -95,6 +95,10 @@ class ReqState:
     # Its load failed: skip its next lookup once (see `Admission.match`), so that vLLM moves it out of the queue of
     # requests holding blocks, where it no longer belongs and can block every landed load behind it.
     requeue: bool = False
+    # Its load failed and vLLM has not scheduled it since: vLLM's gate for async loads still reserves its whole
+    # prompt (it stays in `_inflight_prefills`; 0.34: its parked reservation is refreshed at promotion), although it
+    # may hold no block. Only scheduling it clears that.
+    gated_unscheduled: bool = False
     pending_stores: set[int] = field(default_factory=set)
     finished: bool = False
     offered_hit: int = 0  # the hit (local + external) last offered to vLLM
