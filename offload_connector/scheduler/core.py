@@ -187,22 +187,11 @@ class OffloadScheduler:
         # already delays the free until finished_recving and frees the blocks then: a finished_sending for the same
         # request would free them a second time (vLLM asserts the request still exists). Any store pending then was
         # issued before a preemption, from blocks vLLM freed at the preemption; the fences cover those.
-        self._rank_head_last_evicted(state)
         if state.pending_stores and load is None:
             self.jobs.delay_free(rid)
             return True, None
         del self._requests[rid]
         return False, None
-
-    def _rank_head_last_evicted(self, state: ReqState) -> None:
-        # Stores hand a prompt over chunk by chunk in prefix order, so left alone its head is its oldest entry and
-        # goes first, and a partly evicted prompt loads nothing (a hit needs its head). Ranked tail first at the
-        # request's end (as vLLM's LRU ranks a request's freed blocks), eviction shortens the prefix from its tail
-        # and what is left still loads. Order only: no entry is counted as used again.
-        keys = self.layout.keys(state.request)
-        ranked = sorted(((i + 1) * g.block_size, g.index, i) for g in self.groups
-                        for i in range(keys.num_blocks(g.index)))
-        self.tier.touch([keys(g, i) for _, g, i in ranked])
 
     # ------------------------------------------------------------- step output
     def build_meta(self, scheduler_output: SchedulerOutput) -> OffloadMetadata:
@@ -293,9 +282,6 @@ class OffloadScheduler:
         state = self._requests.get(rid) if rid is not None else None
         if state is not None:
             state.pending_stores.discard(job_id)
-            if state.finished and not state.pending_stores:
-                # Its last stores landed after it finished and were released newest: rank it again.
-                self._rank_head_last_evicted(state)
 
     def take_stats(self) -> OffloadStats | None:
         """This step's scheduler-side metrics (deferrals, tier usage, evictions), for `get_kv_connector_stats`."""
