@@ -39,7 +39,7 @@ def test_nothing_is_reported_early_before_a_load_has_landed():
         assert not est.lands_in_time(1)  # no rate known yet
 
 
-def test_a_load_is_reported_when_it_lands_within_a_step_behind_the_loads_before_it():
+def test_a_load_is_reported_when_it_lands_in_time_behind_the_loads_before_it():
     clock = Clock()
     est = LandingEstimate(clock)
     est.submitted(1, 10**9)
@@ -204,7 +204,7 @@ def test_an_ordered_load_is_reported_before_it_lands_and_what_follows_is_ordered
     assert load.waits == 2 and engine.pending() == 1  # only the store is left
 
 
-def test_a_load_that_would_not_land_within_a_step_is_reported_once_landed():
+def test_a_load_that_would_not_land_in_time_is_reported_once_landed():
     engine, copier, clock = _engine(ordered=True)
     _warm(engine, copier, clock)
     engine.submit_load(TransferJob(2, "r2", ((1, 2, 3),), ((1, 2, 3),)))  # 3 GB: 60 ms
