@@ -184,51 +184,66 @@ class TierIndex:
         `unshared(key)` method hears it for each new entry (`EvictionPolicy.unshared`). `spare`: the keys to store as
         spare entries (a free slot or another spare entry's, else skipped). Keys already present are skipped (a
         regular offer of a spare entry promotes it). Stops at the first regular key that cannot get a slot: the keys
-        come in prefix order and a prefix with a hole in it is useless to a later request. Returns (key, slot) for
-        each key reserved; those entries stay pinned and unreadable until `finish_store`.
+        come in prefix order and a prefix with a hole in it is useless to a later request. Regular keys get their
+        slots before any spare key of the same call (a spare key earlier in prefix order would otherwise take a free
+        slot a regular key after it needs, and the regular key would be refused); spare keys past a refused regular
+        key are skipped. Returns (key, slot) for each key reserved; those entries stay pinned and unreadable until
+        `finish_store`.
         """
+        keys = list(keys)
         reserved: list[tuple[Key, int]] = []
         again: list[Key] = []
         # Optional in a policy named by module path: one written before the hint existed has no such method.
         hint = getattr(self.policy, "unshared", None) if unshared else None
-        for key in keys:
-            is_spare = key in spare
-            entry = self._entries.get(key)
-            if entry is not None:
-                if not is_spare:
-                    if entry.spare:
-                        self.promote([key])
-                    elif entry.ready:
-                        again.append(key)
-                elif key in self._spare:  # a spare offer says nothing to the policy
-                    self._renew_spare(key)
-                if entry.spare and entry.oneshot and not unshared:  # a shared prompt's window now
-                    entry.oneshot = False
-                    self._spare_oneshot.pop(key, None)
-                continue
-            if is_spare:
-                slot = self._free_slot()
-                if slot is None and self._spare:
-                    slot = self._evict_spare()
-                if slot is None:
-                    self.spare_skips += 1
-                    continue
-            else:
-                slot = self._take_slot()
-                if slot is None:
-                    self.store_rejections += 1
-                    break
-            nbytes = self._group_bytes[key[0]]
-            self._entries[key] = _Entry(slot=slot, nbytes=nbytes, spare=is_spare, oneshot=unshared)
-            self._used_bytes += nbytes
-            if not is_spare:
-                self.policy.stored(key)
-                if hint is not None:
-                    hint(key)
-            reserved.append((key, slot))
+        stop = len(keys)
+        for n, key in enumerate(keys):
+            if key not in spare and not self._offer(key, False, unshared, hint, reserved, again):
+                stop = n
+                break
+        for key in keys[:stop]:
+            if key in spare:
+                self._offer(key, True, unshared, hint, reserved, again)
         for key in reversed(again):  # tail first, like every other recency update
             self.policy.reoffered(key)
         return reserved
+
+    def _offer(self, key: Key, is_spare: bool, unshared: bool, hint: Callable[[Key], None] | None,
+               reserved: list[tuple[Key, int]], again: list[Key]) -> bool:
+        """One key of `begin_store`; False when a regular key gets no slot."""
+        entry = self._entries.get(key)
+        if entry is not None:
+            if not is_spare:
+                if entry.spare:
+                    self.promote([key])
+                elif entry.ready:
+                    again.append(key)
+            elif key in self._spare:  # a spare offer says nothing to the policy
+                self._renew_spare(key)
+            if entry.spare and entry.oneshot and not unshared:  # a shared prompt's window now
+                entry.oneshot = False
+                self._spare_oneshot.pop(key, None)
+            return True
+        if is_spare:
+            slot = self._free_slot()
+            if slot is None and self._spare:
+                slot = self._evict_spare()
+            if slot is None:
+                self.spare_skips += 1
+                return True
+        else:
+            slot = self._take_slot()
+            if slot is None:
+                self.store_rejections += 1
+                return False
+        nbytes = self._group_bytes[key[0]]
+        self._entries[key] = _Entry(slot=slot, nbytes=nbytes, spare=is_spare, oneshot=unshared)
+        self._used_bytes += nbytes
+        if not is_spare:
+            self.policy.stored(key)
+            if hint is not None:
+                hint(key)
+        reserved.append((key, slot))
+        return True
 
     def promote(self, keys: Iterable[Key]) -> None:
         """Make spare entries regular (a load used one, or a store point that a rule asked for covers it): the

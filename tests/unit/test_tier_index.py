@@ -124,6 +124,26 @@ def test_spare_entries_take_only_free_or_spare_room(policy):
 
 
 @pytest.mark.parametrize("policy", ["lru", "slru", "arc"])
+def test_a_spare_key_never_takes_the_slot_a_later_regular_key_of_the_same_store_needs(policy):
+    # Prefix order puts a window's spare blocks before the full-attention blocks at its point; three free slots and
+    # three regular keys: the regular keys get them all, the spare one is skipped, nothing is refused.
+    tier = TierIndex(3, [10], policy=policy)
+    spare, regular = (1, "s0"), keys(3)
+    got = tier.begin_store([regular[0], spare, *regular[1:]], spare={spare})
+    assert sorted(k for k, _ in got) == sorted(regular)
+    assert tier.store_rejections == 0 and tier.spare_skips == 1 and not tier.has(spare)
+
+
+def test_spare_keys_past_a_refused_regular_key_are_not_stored():
+    tier = TierIndex(2, [10])
+    held = keys(2, tag="p")
+    tier.begin_store(held)  # pinned by their store: nothing to evict
+    spare = (1, "s0")
+    assert tier.begin_store([keys(1)[0], spare], spare={spare}) == []
+    assert tier.store_rejections == 1 and not tier.has(spare)
+
+
+@pytest.mark.parametrize("policy", ["lru", "slru", "arc"])
 def test_a_regular_store_evicts_idle_spare_entries_first(policy):
     tier = TierIndex(4, [10], policy=policy)
     spare = _stored(tier, keys(2, tag="s"), spare=True)
