@@ -24,6 +24,7 @@ from offload_connector.second_tiers import SECOND_TIERS, tier_factory
 from offload_connector.scheduler.fairness import FairQueue
 from offload_connector.scheduler.jobs import JobBook
 from offload_connector.scheduler.state import KVBinding, Layout, ReqState, SchedulerCounters
+from offload_connector.scheduler.ranking import eviction_order
 from offload_connector.scheduler.stores import StorePlanner
 from offload_connector.scheduler.tier_index import TierIndex
 from offload_connector.scheduler.view import SchedulerView, build_view
@@ -189,9 +190,17 @@ class OffloadScheduler:
         # issued before a preemption, from blocks vLLM freed at the preemption; the fences cover those.
         if state.pending_stores and load is None:
             self.jobs.delay_free(rid)
-            return True, None
+            return True, None  # ranked when its last store lands (`_finish_store`)
+        self._rank_for_eviction(state)
         del self._requests[rid]
         return False, None
+
+    def _rank_for_eviction(self, state: ReqState) -> None:
+        # Once, when the request is done with the tier: an entry still being stored would be released later as the
+        # newest and escape the order. Spare entries are not part of it (`TierIndex.rank`).
+        tier = self.tier
+        tier.rank(eviction_order(self.groups, self.layout.keys(state.request),
+                                 lambda k: tier.has(k) and not tier.is_spare(k), self.alignment))
 
     # ------------------------------------------------------------- step output
     def build_meta(self, scheduler_output: SchedulerOutput) -> OffloadMetadata:
@@ -282,6 +291,8 @@ class OffloadScheduler:
         state = self._requests.get(rid) if rid is not None else None
         if state is not None:
             state.pending_stores.discard(job_id)
+            if state.finished and not state.pending_stores:
+                self._rank_for_eviction(state)
 
     def take_stats(self) -> OffloadStats | None:
         """This step's scheduler-side metrics (deferrals, tier usage, evictions), for `get_kv_connector_stats`."""

@@ -329,6 +329,14 @@ class TierIndex:
             elif key in self._spare:
                 self._renew_spare(key)
 
+    def rank(self, order: Iterable[Key]) -> None:
+        """Reorder regular idle entries among themselves: `order` first victim first, all after every other entry.
+        Spare entries keep their place (a ranking is not a use), and pinned or unknown keys are skipped."""
+        for key in order:
+            entry = self._entries.get(key)
+            if entry is not None and not entry.spare:
+                self.policy.touch(key)
+
     def drop(self, keys: Iterable[Key]) -> None:
         """Forget the entries of a failed load. Entries another load still pins are kept: its copy is reading them,
         and a failure (a timeout, a copy error) does not show that the stored bytes are bad."""

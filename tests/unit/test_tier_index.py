@@ -144,6 +144,20 @@ def test_spare_keys_past_a_refused_regular_key_are_not_stored():
 
 
 @pytest.mark.parametrize("policy", ["lru", "slru", "arc"])
+def test_rank_reorders_idle_regular_entries_and_leaves_spare_and_pinned_ones(policy):
+    tier = TierIndex(8, [10], policy=policy)
+    regular = _stored(tier, keys(4))
+    spare = _stored(tier, keys(2, tag="s"), spare=True)
+    tier.pin(regular[3:], served=False)
+    spare_order = tier.evictable_keys()[:2]
+    tier.rank([regular[2], spare[0], regular[0], regular[1], regular[3]])
+    evictable = tier.evictable_keys()
+    assert evictable[:2] == spare_order  # a ranking is not a use of a spare entry
+    assert evictable[2:] == [regular[2], regular[0], regular[1]]
+    assert regular[3] not in evictable
+
+
+@pytest.mark.parametrize("policy", ["lru", "slru", "arc"])
 def test_a_regular_store_evicts_idle_spare_entries_first(policy):
     tier = TierIndex(4, [10], policy=policy)
     spare = _stored(tier, keys(2, tag="s"), spare=True)

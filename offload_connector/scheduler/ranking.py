@@ -1,0 +1,80 @@
+"""The order a finished request's tier entries should be evicted in: by resume point, the last point first.
+
+Stores hand a prompt over chunk by chunk in prefix order, so in the order entries became evictable a prompt's head is
+its oldest part, and the first eviction takes the head: every block left is then useless (a hit needs the prefix
+from its first token). Ranking the blocks by token position instead (tail first) is not right either where a group
+keeps only a window: a resume point's windows are the very tail of the tokens before it, and without them the
+full-attention blocks before the point cannot be resumed there.
+
+What a later request can use is a *resume point* p: every full-attention block up to p and every block each
+recycling group needs at p (`GroupInfo.restore_range`). Everything the request holds in the tier belongs to the
+first point that needs it, and the points are given up from the last: first whatever no point needs (full-attention
+blocks past the last point, windows of no point), then the last point's windows, then the full-attention blocks
+between the previous point and it, and so on, so that what stays is always a shorter prefix that still loads.
+"""
+
+from __future__ import annotations
+
+from bisect import bisect_left
+from typing import Callable, Hashable, Sequence
+
+from offload_connector.groups import GroupInfo
+from offload_connector.scheduler.lookup import BlockKeys
+
+
+def resume_points(groups: Sequence[GroupInfo], keys: BlockKeys, held: Callable[[Hashable], bool],
+                  alignment: int) -> list[int]:
+    """Every multiple of `alignment` at which each group holds what a request resuming there needs, ascending."""
+    full = keys.hashed_tokens()
+    for g in groups:
+        if g.recycling:
+            continue
+        n = 0
+        limit = full // g.block_size
+        while n < limit and held(keys(g.index, n)):
+            n += 1
+        full = min(full, n * g.block_size)
+    # Per recycling group, the length of the run of held blocks ending at each block: a point is restorable when the
+    # run ending at its range's last block covers the whole range.
+    runs: list[tuple[GroupInfo, list[int]]] = []
+    for g in groups:
+        if not g.recycling:
+            continue
+        run, length = [], 0
+        for i in range(full // g.block_size):
+            length = length + 1 if held(keys(g.index, i)) else 0
+            run.append(length)
+        runs.append((g, run))
+    points = []
+    for p in range(alignment, full - full % alignment + 1, alignment):
+        for g, run in runs:
+            needed = g.restore_range(p)
+            if len(needed) and run[needed[-1]] < len(needed):
+                break
+        else:
+            points.append(p)
+    return points
+
+
+def eviction_order(groups: Sequence[GroupInfo], keys: BlockKeys, held: Callable[[Hashable], bool],
+                   alignment: int) -> list[Hashable]:
+    """The held keys of one request, first to evict first (see the module docstring)."""
+    points = resume_points(groups, keys, held, alignment)
+    beyond = len(points)  # the unit of blocks no point needs
+    ranked: list[tuple[int, int, int, Hashable]] = []
+    for g in groups:
+        for i in range(keys.num_blocks(g.index)):
+            key = keys(g.index, i)
+            if not held(key):
+                continue
+            end = (i + 1) * g.block_size
+            if g.recycling:
+                # The first point whose restore range holds block i: its range starts at or before the block.
+                j = bisect_left(points, end)
+                unit = j if j < beyond and g.restore_range(points[j]).start <= i else beyond
+            else:
+                unit = bisect_left(points, end)
+            # Last unit first; inside a unit the windows before the full-attention blocks, each tail first.
+            ranked.append((-unit, 0 if g.recycling else 1, -end, key))
+    ranked.sort(key=lambda r: r[:3])
+    return [r[3] for r in ranked]
