@@ -9,7 +9,8 @@ Entries move through: stored (pinned, not yet readable) -> ready (readable, evic
 A load pins ready entries so eviction cannot reuse their slots while the copy runs. Which evictable entry goes first
 is the cache policy's choice (`scheduler/eviction/`: "lru", "slru", "arc" or a class named by module path); the
 index tells it when an entry is stored, becomes evictable, is pinned, serves a load, is touched, is offered again by
-a store or is dropped, and refuses a victim that is not a readable, unpinned entry.
+a store or is dropped, and refuses a victim that is not a readable, unpinned entry. `rank` reorders a finished
+request's regular entries among themselves (`scheduler/ranking.py` says in which order), as touches the policy hears.
 
 *Spare* entries are the ones a store marks so (windows of sliding-window and chunked-local groups at points no rule
 asked for, `scheduler/stores.py`): they take only room nobody else uses. A spare entry gets a free slot or the slot
