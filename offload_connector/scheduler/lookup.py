@@ -34,6 +34,11 @@ class BlockKeys:
     def __call__(self, group: int, block: int) -> tuple[int, Hashable]:
         return (group, self._hashes[(block + 1) * self._ratio[group] - 1])
 
+    def of_group(self, group: int) -> list[tuple[int, Hashable]]:
+        """Every block's key of one group, in block order (what calling this for each block gives, in one pass)."""
+        ratio = self._ratio[group]
+        return [(group, h) for h in self._hashes[ratio - 1::ratio]]
+
 
 def full_prefix_tokens(groups: Sequence[GroupInfo], keys: BlockKeys, is_ready: Callable[[Hashable], bool],
                        upper_tokens: int) -> int:

@@ -25,56 +25,60 @@ from offload_connector.scheduler.lookup import BlockKeys
 def resume_points(groups: Sequence[GroupInfo], keys: BlockKeys, held: Callable[[Hashable], bool],
                   alignment: int) -> list[int]:
     """Every multiple of `alignment` at which each group holds what a request resuming there needs, ascending."""
-    full = keys.hashed_tokens()
-    for g in groups:
-        if g.recycling:
-            continue
-        n = 0
-        limit = full // g.block_size
-        while n < limit and held(keys(g.index, n)):
-            n += 1
-        full = min(full, n * g.block_size)
+    return _points(groups, [list(map(held, keys.of_group(g.index))) for g in groups], keys.hashed_tokens(), alignment)
+
+
+def eviction_order(groups: Sequence[GroupInfo], keys: BlockKeys, held: Callable[[Hashable], bool],
+                   alignment: int) -> list[Hashable]:
+    """The held keys of one request, first to evict first (see the module docstring)."""
+    group_keys = [keys.of_group(g.index) for g in groups]
+    flags = [list(map(held, ks)) for ks in group_keys]
+    points = _points(groups, flags, keys.hashed_tokens(), alignment)
+    beyond = len(points)  # the unit of blocks no point needs
+    ranked: list[tuple[int, int, int, Hashable]] = []
+    for g, ks, fl in zip(groups, group_keys, flags):
+        recycling, size = g.recycling, g.block_size
+        starts = [g.first_live_block(p) for p in points] if recycling else []
+        for i, key in enumerate(ks):
+            if not fl[i]:
+                continue
+            end = (i + 1) * size
+            unit = bisect_left(points, end)
+            # A window block belongs to the first point whose restore range holds it (ranges start later as points
+            # move on, so no later point holds it either when that one does not).
+            if recycling and unit < beyond and starts[unit] > i:
+                unit = beyond
+            # Last unit first; inside a unit the windows before the full-attention blocks, each tail first.
+            ranked.append((-unit, 0 if recycling else 1, -end, key))
+    ranked.sort(key=lambda r: r[:3])
+    return [r[3] for r in ranked]
+
+
+def _points(groups: Sequence[GroupInfo], flags: list[list[bool]], hashed_tokens: int, alignment: int) -> list[int]:
+    full = hashed_tokens
+    for g, fl in zip(groups, flags):
+        if not g.recycling:
+            n = fl.index(False) if False in fl else len(fl)
+            full = min(full, n * g.block_size)
     # Per recycling group, the length of the run of held blocks ending at each block: a point is restorable when the
     # run ending at its range's last block covers the whole range.
     runs: list[tuple[GroupInfo, list[int]]] = []
-    for g in groups:
-        if not g.recycling:
-            continue
-        run, length = [], 0
-        for i in range(full // g.block_size):
-            length = length + 1 if held(keys(g.index, i)) else 0
-            run.append(length)
-        runs.append((g, run))
+    for g, fl in zip(groups, flags):
+        if g.recycling:
+            run, length = [], 0
+            for h in fl[:full // g.block_size]:
+                length = length + 1 if h else 0
+                run.append(length)
+            runs.append((g, run))
     points = []
     for p in range(alignment, full - full % alignment + 1, alignment):
         for g, run in runs:
+            last = p // g.block_size - 1
+            if run[last] == 0 and g.first_live_block(p) <= last:  # most boundaries: the range's last block is missing
+                break
             needed = g.restore_range(p)
             if len(needed) and run[needed[-1]] < len(needed):
                 break
         else:
             points.append(p)
     return points
-
-
-def eviction_order(groups: Sequence[GroupInfo], keys: BlockKeys, held: Callable[[Hashable], bool],
-                   alignment: int) -> list[Hashable]:
-    """The held keys of one request, first to evict first (see the module docstring)."""
-    points = resume_points(groups, keys, held, alignment)
-    beyond = len(points)  # the unit of blocks no point needs
-    ranked: list[tuple[int, int, int, Hashable]] = []
-    for g in groups:
-        for i in range(keys.num_blocks(g.index)):
-            key = keys(g.index, i)
-            if not held(key):
-                continue
-            end = (i + 1) * g.block_size
-            if g.recycling:
-                # The first point whose restore range holds block i: its range starts at or before the block.
-                j = bisect_left(points, end)
-                unit = j if j < beyond and g.restore_range(points[j]).start <= i else beyond
-            else:
-                unit = bisect_left(points, end)
-            # Last unit first; inside a unit the windows before the full-attention blocks, each tail first.
-            ranked.append((-unit, 0 if g.recycling else 1, -end, key))
-    ranked.sort(key=lambda r: r[:3])
-    return [r[3] for r in ranked]
