@@ -24,7 +24,7 @@ from offload_connector.second_tiers import SECOND_TIERS, tier_factory
 from offload_connector.scheduler.fairness import FairQueue
 from offload_connector.scheduler.jobs import JobBook
 from offload_connector.scheduler.state import KVBinding, Layout, ReqState, SchedulerCounters
-from offload_connector.scheduler.ranking import eviction_order
+from offload_connector.scheduler.ranking import eviction_order, spare_order
 from offload_connector.scheduler.stores import StorePlanner
 from offload_connector.scheduler.tier_index import TierIndex
 from offload_connector.scheduler.view import SchedulerView, build_view
@@ -197,10 +197,10 @@ class OffloadScheduler:
 
     def _rank_for_eviction(self, state: ReqState) -> None:
         # Once, when the request is done with the tier: an entry still being stored would be released later as the
-        # newest and escape the order. Spare entries are not part of it (`TierIndex.rank`).
-        tier = self.tier
-        tier.rank(eviction_order(self.groups, self.layout.keys(state.request),
-                                 lambda k: tier.has(k) and not tier.is_spare(k), self.alignment))
+        # newest and escape the order.
+        tier, keys = self.tier, self.layout.keys(state.request)
+        tier.rank(eviction_order(self.groups, keys, lambda k: tier.has(k) and not tier.is_spare(k), self.alignment))
+        tier.rank(spare_order(self.groups, keys, tier.is_spare))
 
     # ------------------------------------------------------------- step output
     def build_meta(self, scheduler_output: SchedulerOutput) -> OffloadMetadata:

@@ -10,7 +10,7 @@ A load pins ready entries so eviction cannot reuse their slots while the copy ru
 is the cache policy's choice (`scheduler/eviction/`: "lru", "slru", "arc" or a class named by module path); the
 index tells it when an entry is stored, becomes evictable, is pinned, serves a load, is touched, is offered again by
 a store or is dropped, and refuses a victim that is not a readable, unpinned entry. `rank` reorders a finished
-request's regular entries among themselves (`scheduler/ranking.py` says in which order), as touches the policy hears.
+request's entries, regular and spare each among their kind (`scheduler/ranking.py` says in which order).
 
 *Spare* entries are the ones a store marks so (windows of sliding-window and chunked-local groups at points no rule
 asked for, `scheduler/stores.py`): they take only room nobody else uses. A spare entry gets a free slot or the slot
@@ -331,12 +331,17 @@ class TierIndex:
                 self._renew_spare(key)
 
     def rank(self, order: Iterable[Key]) -> None:
-        """Reorder regular idle entries among themselves: `order` first victim first, all after every other entry.
-        Spare entries keep their place (a ranking is not a use), and pinned or unknown keys are skipped."""
+        """Reorder idle entries as the most recent of their kind: `order` first victim first, regular entries among
+        the regular ones (as touches the policy hears), spare ones among the spare ones. Pinned or unknown keys are
+        skipped."""
         for key in order:
             entry = self._entries.get(key)
-            if entry is not None and not entry.spare:
+            if entry is None:
+                continue
+            if not entry.spare:
                 self.policy.touch(key)
+            elif key in self._spare:
+                self._renew_spare(key)
 
     def drop(self, keys: Iterable[Key]) -> None:
         """Forget the entries of a failed load. Entries another load still pins are kept: its copy is reading them,

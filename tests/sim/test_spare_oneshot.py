@@ -48,4 +48,6 @@ def test_with_one_spare_list_the_siblings_recompute(tmp_path: Path, monkeypatch:
         self._spare_oneshot.clear()
         return real(self)
     monkeypatch.setattr(tier_index.TierIndex, "_evict_spare", one_list)
-    assert _siblings_recomputed(tmp_path, monkeypatch, "one-list") >= 10_000
+    # 12,288 tokens before a finished request's spare windows were renewed at its end (`scheduler/ranking.py`), 8,704
+    # since: the renewal keeps some parents' windows without the rule, the rule keeps them all (0 above).
+    assert _siblings_recomputed(tmp_path, monkeypatch, "one-list") >= 4_096

@@ -8,7 +8,7 @@ import pytest
 
 from offload_connector.groups import GroupInfo, GroupKind
 from offload_connector.scheduler.lookup import BlockKeys, longest_hit
-from offload_connector.scheduler.ranking import eviction_order, resume_points
+from offload_connector.scheduler.ranking import eviction_order, resume_points, spare_order
 
 
 def group(i, kind, bs, window=0, chunk=0):
@@ -129,3 +129,10 @@ def test_ranked_by_token_position_a_point_is_broken_while_useless_blocks_stay():
                                                         if keys(k[0], i) == k) + 1) * groups[k[0]].block_size)
         worse += violations(groups, keys, held, by_position, 32) > 0
     assert worse > 0
+
+
+def test_spare_entries_are_ranked_tail_first_across_groups():
+    groups = LAYOUTS["two windows, blocks 32"]
+    keys = BlockKeys([f"h{i}" for i in range(16)], 16, groups)
+    spare = {keys(1, 3), keys(1, 9), keys(2, 2), keys(2, 6)}  # ending at 64, 160, 96 and 224 tokens
+    assert spare_order(groups, keys, spare.__contains__) == [keys(2, 6), keys(1, 9), keys(2, 2), keys(1, 3)]

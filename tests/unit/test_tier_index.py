@@ -144,16 +144,17 @@ def test_spare_keys_past_a_refused_regular_key_are_not_stored():
 
 
 @pytest.mark.parametrize("policy", ["lru", "slru", "arc"])
-def test_rank_reorders_idle_regular_entries_and_leaves_spare_and_pinned_ones(policy):
+def test_rank_reorders_regular_and_spare_entries_each_among_their_kind_and_skips_pinned_ones(policy):
     tier = TierIndex(8, [10], policy=policy)
     regular = _stored(tier, keys(4))
-    spare = _stored(tier, keys(2, tag="s"), spare=True)
+    spare = _stored(tier, keys(3, tag="s"), spare=True)
     tier.pin(regular[3:], served=False)
-    spare_order = tier.evictable_keys()[:2]
-    tier.rank([regular[2], spare[0], regular[0], regular[1], regular[3]])
+    assert tier.evictable_keys()[:3] == spare[::-1]  # released tail first: the head is the newest
+    tier.rank([regular[2], spare[0], regular[0], spare[2], regular[1], regular[3]])
     evictable = tier.evictable_keys()
-    assert evictable[:2] == spare_order  # a ranking is not a use of a spare entry
-    assert evictable[2:] == [regular[2], regular[0], regular[1]]
+    # The spare entries still go first, the one not ranked now the oldest; the regular ones follow in the order given.
+    assert evictable[:3] == [spare[1], spare[0], spare[2]]
+    assert evictable[3:] == [regular[2], regular[0], regular[1]]
     assert regular[3] not in evictable
 
 
