@@ -320,7 +320,8 @@ class TierIndex:
                 self._release(key, entry)
 
     def touch(self, keys: Sequence[Key]) -> None:
-        """Mark a prefix as recently used, tail first so that its head is the most recent."""
+        """Mark entries as recently used, the last key first, so that the first is the most recent (a prefix given
+        head first: its head)."""
         for key in reversed(keys):
             entry = self._entries.get(key)
             if entry is None:
@@ -334,14 +335,7 @@ class TierIndex:
         """Reorder idle entries as the most recent of their kind: `order` first victim first, regular entries among
         the regular ones (as touches the policy hears), spare ones among the spare ones. Pinned or unknown keys are
         skipped."""
-        for key in order:
-            entry = self._entries.get(key)
-            if entry is None:
-                continue
-            if not entry.spare:
-                self.policy.touch(key)
-            elif key in self._spare:
-                self._renew_spare(key)
+        self.touch(list(order)[::-1])
 
     def drop(self, keys: Iterable[Key]) -> None:
         """Forget the entries of a failed load. Entries another load still pins are kept: its copy is reading them,
