@@ -18,7 +18,7 @@ from offload_connector.scheduler import ledger
 from offload_connector.scheduler.fairness import DeferredLoad, FairQueue
 from offload_connector.scheduler.second_tier import SecondTierPlanner
 from offload_connector.scheduler.jobs import JobBook
-from offload_connector.scheduler.lookup import full_prefix_tokens, longest_hit
+from offload_connector.scheduler.lookup import full_prefix_tokens, hit_upper, longest_hit
 from offload_connector.scheduler.state import KVBinding, Layout, ReqState, SchedulerCounters
 from offload_connector.scheduler.stores import in_prefix_order
 from offload_connector.scheduler.tier_index import TierIndex
@@ -109,7 +109,9 @@ class AdmissionControl:
             if any(not self.tier.is_ready(key) for _, _, key in load) and not self.tier.has_room(len(load)):
                 full = full_prefix_tokens(layout.groups, keys, self.tier.is_ready, upper)
                 hit = longest_hit(layout.groups, keys, self.tier.is_ready, upper, layout.alignment, full_tokens=full)
-        junction = full - full % layout.alignment
+        # (a junction stays below the prompt's last token: vLLM's GPU prefix cache never hits the whole prompt)
+        junction = min(full, request.num_tokens - 1)
+        junction -= junction % layout.alignment
         state = self.requests.get(request.request_id)
         if state is not None and layout.has_recycling and state.window_scanned > max(hit, local):
             # Preempted past every point the tiers and vLLM can restore: what it computed since is lost, and the
@@ -133,7 +135,7 @@ class AdmissionControl:
         """The prefix this host's tiers (CPU, disk) could restore now, without any side effect: no shared-tier query,
         no junction noted, nothing touched. The shared tier's blocks are not probed (a network round trip)."""
         keys = self.layout.keys(request)
-        upper = request.num_tokens - 1
+        upper = hit_upper(self.layout.groups, request.num_tokens, self.layout.alignment)
         full = full_prefix_tokens(self.layout.groups, keys, self.available, upper)
         return longest_hit(self.layout.groups, keys, self.available, upper, self.layout.alignment, full_tokens=full)
 
@@ -161,8 +163,9 @@ class AdmissionControl:
             held = self._held_for_older(request, num_computed_tokens, num_computed_tokens, step)
             return (None, False) if held else (0, False)
         self.counters.lookups += 1
-        # Leave at least one prompt token to compute: the step that computes it produces the first output.
-        upper = request.num_tokens - 1
+        # Leave at least one prompt token to compute (the step that computes it produces the first output), or the
+        # whole prompt where vLLM computes its last token again (`hit_upper`).
+        upper = hit_upper(self.layout.groups, request.num_tokens, self.layout.alignment)
         hit = self.hit(request, upper, num_computed_tokens, step)
         if hit - num_computed_tokens < self.config.min_load_tokens:
             state.deferred_since = None
@@ -537,5 +540,9 @@ def _covered(spans: list[tuple[int, int]]) -> int:
 
 
 def _in_prefill(request: Request) -> bool:
+    # A load of the whole prompt counts the prompt computed until vLLM takes the landed load and steps back one
+    # token; until then it is still in its prompt.
+    if getattr(request.status, "name", None) == "WAITING_FOR_REMOTE_KVS":
+        return True
     return request.num_computed_tokens < max(request.num_prompt_tokens, request.num_tokens - 1)
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Callable, Hashable, Sequence
 
-from offload_connector.groups import GroupInfo
+from offload_connector.groups import GroupInfo, GroupKind
 
 KeyFn = Callable[[int, int], Hashable]  # (group index, block index) -> tier key
 
@@ -38,6 +38,27 @@ class BlockKeys:
         """Every block's key of one group, in block order (what calling this for each block gives, in one pass)."""
         ratio = self._ratio[group]
         return [(group, h) for h in self._hashes[ratio - 1::ratio]]
+
+
+def hit_upper(groups: Sequence[GroupInfo], num_tokens: int, alignment: int) -> int:
+    """The most tokens a hit may cover for a request of `num_tokens` tokens.
+
+    A hit must leave a token for the step that produces the next output, but vLLM takes a hit of the whole prompt
+    and computes its last token again (`_update_waiting_for_remote_kv`), as its own connector's loads do. So a
+    prompt ending on a boundary of every group resumes there rather than one block earlier, where that recompute
+    reads only blocks the load restores: vLLM allocates the hit's blocks for `num_tokens` computed tokens (null
+    below each window there) and the token recomputed attends from the window at `num_tokens - 1`. That holds
+    where both windows start in the same block: a sliding window unless it starts on the boundary; never a chunk
+    that ends with the prompt (vLLM would null the whole chunk), never recurrent state (the state before the last
+    token is not kept)."""
+    if num_tokens <= 0 or num_tokens % alignment:
+        return num_tokens - 1
+    for g in groups:
+        if g.kind is GroupKind.MAMBA:
+            return num_tokens - 1
+        if g.recycling and g.first_live_block(num_tokens - 1) != g.first_live_block(num_tokens):
+            return num_tokens - 1
+    return num_tokens
 
 
 def full_prefix_tokens(groups: Sequence[GroupInfo], keys: BlockKeys, is_ready: Callable[[Hashable], bool],

@@ -75,6 +75,10 @@ def _reload_script(model_dir: str, kv: dict | None) -> dict:
         _gen("warm", prefix + new[:1], 1),
         {"op": "reset_prefix_cache"},
         _gen("reload", full, GEN),
+        # The prefix alone: a prompt ending on a block boundary of every group, loaded whole (vLLM computes its
+        # last token again).
+        {"op": "reset_prefix_cache"},
+        _gen("resend", prefix, GEN),
     ]
     if kv is not None:
         actions += [{"op": "reset_prefix_cache"}, {"op": "corrupt_loads", "count": 1}, _gen("corrupt", full, GEN)]
@@ -129,6 +133,16 @@ def test_offload_and_reload_matches_recompute(baseline: dict, offloaded: dict) -
     # Outputs before the reload are unaffected by the connector too.
     for rid in ("q", "q-mid", "q-other", "warm"):
         assert output_of(offloaded, rid)["token_ids"] == output_of(baseline, rid)["token_ids"], rid
+
+
+def test_a_prompt_ending_on_a_block_boundary_loads_whole_and_matches_recompute(baseline: dict,
+                                                                               offloaded: dict) -> None:
+    """Hit whole, not a block short (`lookup.hit_upper`): vLLM takes all 576 tokens as loaded and computes the last
+    one again over the loaded window; the output is exactly the recomputed one."""
+    ref = output_of(baseline, "resend")
+    got = output_of(offloaded, "resend")
+    assert got["external_tokens"] == PREFIX, got
+    assert got["token_ids"] == ref["token_ids"], (got["token_ids"], ref["token_ids"])
 
 
 def test_corrupting_one_loaded_block_changes_the_output(baseline: dict, offloaded: dict) -> None:

@@ -8,7 +8,7 @@ import pytest
 
 from offload_connector.scheduler.windows import store_points
 from offload_bench.sim.custom import build_custom
-from offload_bench.sim.driver import SchedulerDriver
+from offload_bench.sim.driver import LoadContentError, SchedulerDriver
 from offload_bench.sim.requests import make_request, tokens
 from offload_bench.sim.scenarios import connector_config
 from offload_bench.sim.tagcopy import TagCopier
@@ -86,13 +86,23 @@ def test_the_junction_is_handed_to_vllm_which_keeps_the_window_on_the_gpu():
     assert local["c"] == 704 and drv.side.counters.loaded_tokens == loaded  # from the GPU prefix cache
 
 
-def test_a_prompt_sent_again_resumes_one_block_before_its_end():
-    """A prompt whose length is a multiple of the block size hits at most num_tokens - 1, so it resumes a block
-    before its end; that window is stored too (before, such a resend loaded nothing)."""
+def test_a_prompt_sent_again_loads_to_its_end_and_vllm_recomputes_the_last_token():
+    """A prompt whose length is a multiple of the block size is hit whole (`lookup.hit_upper`): vLLM takes the load
+    as the whole prompt computed and computes its last token again, which here reads only loaded blocks (the tag
+    check verifies the window at 639). Before, the hit stopped at 624 and 16 tokens were recomputed."""
     drv, hbs = _driver(window_checkpoint_tokens=0)
     a = tokens(4, 640)
     _serve(drv, "a", a, hbs)
-    assert _serve(drv, "a-again", list(a), hbs) == 624
+    scheduled: list[int] = []
+    schedule = drv.sched.schedule
+
+    def recording_schedule():
+        out = schedule()
+        scheduled.extend(n for rid, n in out.num_scheduled_tokens.items() if rid == "a-again")
+        return out
+    drv.sched.schedule = recording_schedule
+    assert _serve(drv, "a-again", list(a), hbs) == 640
+    assert scheduled[0] == 1  # the prompt's last token, then one decode step
 
 
 def test_with_spare_windows_a_roomy_tier_resumes_at_the_last_boundary():
@@ -128,3 +138,32 @@ def test_chunked_local_blocks_are_regular_entries_sliding_windows_spare():
     assert len(chunked) == 1000 // 16 - 1 and not any(tier.is_spare(k) for k in chunked)
     assert sliding and any(tier.is_spare(k) for k in sliding)
     assert _serve(drv, "b", a[:300] + tokens(2, 300), hbs) == 288
+
+
+@pytest.mark.parametrize("groups, whole", [
+    ((("full", 16, 0), ("sliding", 16, 64)), True),
+    # a window of 65 starts on a block boundary at 640, one block earlier at 639: vLLM would null that block
+    ((("full", 16, 0), ("sliding", 16, 65)), False),
+    # a chunk ending with the prompt: vLLM nulls the whole chunk the recomputed token reads
+    ((("full", 16, 0), ("chunked", 16, 64)), False),
+])
+def test_a_whole_prompt_hit_only_where_the_recomputed_token_reads_loaded_blocks(groups, whole, monkeypatch):
+    """Where the recomputed last token would read a block vLLM allocates as null for a hit of the whole prompt, the
+    hit stops a block short; forcing the whole prompt there makes the tag check fail, so the rule is what keeps the
+    load right, not an accident of the layout."""
+    def serve_twice(drv, hbs):
+        a = tokens(4, 640)
+        _serve(drv, "a", a, hbs)
+        return _serve(drv, "a-again", list(a), hbs)
+
+    def driver():
+        sched, hbs = build_custom(groups, num_blocks=400, max_num_batched_tokens=128, max_model_len=4096,
+                                  kv_transfer_config=connector_config("exact", 1 << 30, window_checkpoint_tokens=0))
+        return SchedulerDriver(sched, TagCopier(1)), hbs
+
+    assert serve_twice(*driver()) == (640 if whole else 624)
+    if not whole:
+        import offload_connector.scheduler.admission as admission
+        monkeypatch.setattr(admission, "hit_upper", lambda groups, n, alignment: n)
+        with pytest.raises(LoadContentError):
+            serve_twice(*driver())

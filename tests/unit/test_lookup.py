@@ -59,3 +59,18 @@ def test_missing_window_block_means_no_hit_there():
     keys, ready = ready_set(groups, hashes, 640, recycle_boundary=448)
     ready.discard(keys(1, 25))
     assert longest_hit(groups, keys, ready.__contains__, 10_000, 32) == 0
+
+
+def test_hit_upper_takes_the_whole_prompt_only_where_the_recomputed_token_reads_loaded_blocks():
+    from offload_connector.scheduler.lookup import hit_upper
+    assert hit_upper([FULL], 640, 32) == 640
+    assert hit_upper([FULL], 650, 32) == 649  # not on a boundary: one token short, as vLLM's own lookup
+    assert hit_upper([FULL], 656, 32) == 655  # a boundary of 16, not of the hit alignment 32
+    assert hit_upper([FULL, SWA], 640, 32) == 640  # the window at 639 starts in the block the one at 640 does
+    # a window that starts on a block boundary at the prompt's end starts a block earlier at 639: vLLM would null it
+    assert hit_upper([FULL, group(1, GroupKind.SLIDING, 16, window=65)], 640, 32) == 639
+    assert hit_upper([FULL, CHUNK], 640, 32) == 639  # the prompt ends a chunk: vLLM nulls the chunk
+    assert hit_upper([FULL, CHUNK], 608, 32) == 608  # inside a chunk: the chunk at 607 and 608 is the same
+    mamba = GroupInfo(index=1, kind=GroupKind.MAMBA, block_size=32, block_bytes=1, num_layers=1, live_ceiling=1)
+    assert hit_upper([FULL, mamba], 640, 32) == 639  # the state before the last token is not kept
+    assert hit_upper([FULL], 0, 32) == -1

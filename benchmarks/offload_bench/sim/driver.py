@@ -178,7 +178,7 @@ class SchedulerDriver(DraftCounts):
             keys = self.side.layout.keys(req)
             for g, mgr in zip(self.side.groups, self.managers()):
                 blocks = mgr.req_to_blocks.get(rid, [])
-                for i in _must_hold(g, hit, rid):
+                for i in _must_hold(g, hit, req.num_tokens, rid):
                     tag = self.engine.gpu.get(blocks[i].block_id)
                     if tag != keys(g.index, i):
                         raise LoadContentError(
@@ -350,12 +350,15 @@ class SchedulerDriver(DraftCounts):
                 and self.pool.get_num_free_blocks() == self.sched.kv_cache_config.num_blocks - 1)
 
 
-def _must_hold(group: Any, hit: int, rid: str) -> range:
-    """Blocks a request resuming after `hit` tokens reads in `group`. For Mamba state this is stated here rather
-    than taken from the connector's `restore_range`, so a connector that restored no state would fail the check:
-    vLLM resumes from the state in block `hit / b - 1`, and only at a block boundary."""
+def _must_hold(group: Any, hit: int, num_tokens: int, rid: str) -> range:
+    """Blocks a request resuming after `hit` tokens reads in `group`. A hit of the whole prompt resumes one token
+    earlier (vLLM computes the last token again), inside the last block: that block and the window before that token
+    are read. For Mamba state this is stated here rather than taken from the connector's `restore_range`, so a
+    connector that restored no state would fail the check: vLLM resumes from the state in block `hit / b - 1`, and
+    only at a block boundary."""
     if group.kind is not GroupKind.MAMBA:
-        return group.restore_range(hit)
+        resume = min(hit, num_tokens - 1)
+        return range(group.first_live_block(resume), -(-resume // group.block_size))
     if hit % group.block_size:
         raise LoadContentError(f"{rid}: loaded {hit} tokens, not a boundary of Mamba group {group.index}'s "
                                f"{group.block_size}-token blocks")
