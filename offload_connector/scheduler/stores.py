@@ -9,6 +9,7 @@ from offload_connector.groups import GroupInfo, GroupKind
 from offload_connector.metadata import TransferJob
 from offload_connector.scheduler.events import TierEvents
 from offload_connector.scheduler.jobs import JobBook
+from offload_connector.scheduler.lookup import hit_upper
 from offload_connector.scheduler.state import KVBinding, Layout, ReqState, SchedulerCounters
 from offload_connector.scheduler.tier_index import TierIndex
 from offload_connector.scheduler.windows import spare_points, store_points
@@ -87,7 +88,8 @@ class StorePlanner:
         spare_pts: list[int] = []
         if layout.has_recycling:
             points = store_points(state.window_scanned, upto, request.num_prompt_tokens, layout.alignment,
-                                  self.config.window_checkpoint_tokens, state.junctions)
+                                  self.config.window_checkpoint_tokens, state.junctions,
+                                  hit_upper(layout.groups, request.num_prompt_tokens, layout.alignment))
             if self.config.spare_windows:
                 spare_pts = spare_points(state.window_scanned, upto, layout.alignment, points)
             if layout.state_behind_drafts:

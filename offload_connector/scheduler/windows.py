@@ -5,8 +5,9 @@ window costs as much host memory as `window` tokens of that group. Storing every
 costs every block; storing only where prompts end makes a prefix that another request shares up to a point inside
 the prompt useless (its full-attention blocks are there, its window is not). The points kept:
 
-* the last full block before the prompt's end: a prompt sent again resumes there (its hit stops one token short of
-  the prompt, so a prompt ending on a block boundary resumes one block earlier);
+* where a prompt sent again resumes (`lookup.hit_upper`): its end where vLLM takes a hit of the whole prompt and
+  computes the last token again, else the last boundary before its last token (a block earlier for a prompt that
+  ends on a boundary);
 * the prompt's last boundary and, from there on, the latest boundary: the next turn resumes after the answer;
 * every `spacing` tokens inside the prompt (checkpoints): shared system prompts, tool prefixes and documents end
   anywhere, a checkpoint at most `spacing` tokens before. The spacing follows from the layout
@@ -39,12 +40,13 @@ _DEEP = 1 << 30
 
 
 def store_points(scanned: int, upto: int, prompt_tokens: int, alignment: int, spacing: int,
-                 junctions: Iterable[int] = ()) -> list[int]:
-    """Boundaries in (scanned, upto], ascending, whose windows are stored. `upto` is a multiple of `alignment`."""
+                 junctions: Iterable[int] = (), resend_upper: int | None = None) -> list[int]:
+    """Boundaries in (scanned, upto], ascending, whose windows are stored. `upto` is a multiple of `alignment`;
+    `resend_upper`: the most a hit of the same prompt may cover (`lookup.hit_upper`; one token short if not given)."""
     if upto <= scanned:
         return []
     points: set[int] = set()
-    tail = (prompt_tokens - 1) // alignment * alignment
+    tail = (prompt_tokens - 1 if resend_upper is None else resend_upper) // alignment * alignment
     end = prompt_tokens // alignment * alignment
     points.update(p for p in (tail, end) if scanned < p <= upto)
     if upto >= tail:

@@ -22,8 +22,11 @@ def test_store_points():
     assert store_points(0, 800, 1000, 16, 256) == [256, 512, 768]
     assert store_points(800, 992, 1000, 16, 256) == [992]
     assert store_points(992, 1024, 1000, 16, 256) == [1024]
-    # A prompt ending on a boundary: a resend resumes one block earlier, so both boundaries are kept.
+    # A prompt ending on a boundary: where vLLM cannot take the whole prompt a resend resumes one block earlier, so
+    # both boundaries are kept; where it can, the end is the one point.
     assert store_points(0, 640, 640, 16, 0) == [624, 640]
+    assert store_points(0, 640, 640, 16, 0, resend_upper=639) == [624, 640]
+    assert store_points(0, 640, 640, 16, 0, resend_upper=640) == [640]
     # Junctions count only inside the range; spacing is rounded down to the alignment; 0 disables checkpoints.
     assert store_points(0, 512, 2000, 16, 0, junctions={96, 704}) == [96]
     assert store_points(0, 512, 2000, 32, 100) == [96, 192, 288, 384, 480]
