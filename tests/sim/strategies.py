@@ -24,4 +24,5 @@ def fuzz_case(draw: Any, groups: Sequence[tuple[str, int, int]], speculative: bo
     if speculative:
         kw.update(num_spec_tokens=draw(st.sampled_from(SPEC_TOKENS)),
                   spec_method=draw(st.sampled_from(spec_methods_for(groups))))
+    kw["resends"] = tuple(draw(st.sampled_from([False, False, False, True])) for _ in sessions)
     return FuzzCase(groups=tuple(groups), pipeline_parallel_size=draw(st.sampled_from(PP_SIZES)), **kw)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 import random
 from dataclasses import dataclass, field
 from typing import Any
@@ -29,6 +30,9 @@ class FuzzCase:
     num_spec_tokens: int = 0  # speculative decoding: drafts per step (0: off)
     spec_method: str = "ngram"  # see custom.SPEC_METHODS: ngram (sync engine), ngram_gpu, draft_model, eagle (async)
     pipeline_parallel_size: int = 1  # vLLM keeps this many batches in flight (more with async scheduling)
+    # Per session: the return is the kept prefix alone, cut to a boundary of every group (a prompt sent again, which
+    # may be loaded whole: `lookup.hit_upper`), instead of the kept prefix and new tokens.
+    resends: tuple[bool, ...] = ()
 
 
 @dataclass
@@ -48,6 +52,7 @@ class FuzzOutcome:
     idle_exact_holds: int = 0
     undrained: int = 0
     admissions: int = 0
+    whole_prompt_loads: int = 0  # admitted loads of a whole prompt (vLLM computes its last token again)
     loaded_tokens: int = 0
     drafts_scheduled: int = 0
     drafts_accepted: int = 0
@@ -155,7 +160,26 @@ def random_case(rng: random.Random) -> FuzzCase:
         seed=(seed := rng.randrange(1 << 30)), num_spec_tokens=rng.choice(SPEC_TOKENS),
         spec_method=rng.choice(spec_methods_for(groups)),
         pipeline_parallel_size=random.Random(seed ^ 0x9E3779B9).choice(PP_SIZES))
+    case = with_resends(case, random.Random(seed ^ 0x72657365))
     return with_mamba(case, random.Random(seed ^ 0x6D616D62))
+
+
+def with_resends(case: FuzzCase, rng: random.Random) -> FuzzCase:
+    """A quarter of the sessions return as their kept prefix alone, ending on a block boundary of every group, drawn
+    from the case's own seed so that every case keeps the layout, sessions and settings it had before."""
+    return dataclasses.replace(case, resends=tuple(rng.random() < 0.25 for _ in case.sessions))
+
+
+def returning_prompt(case: FuzzCase, session: int, history: list[int]) -> list[int]:
+    """The prompt session `session` returns with: its kept prefix and new tokens, or for a resend the kept prefix
+    cut to a boundary of every group (the new tokens if that leaves nothing)."""
+    _, _, keep, new = case.sessions[session]
+    if session < len(case.resends) and case.resends[session]:
+        align = math.lcm(*(bs for _, bs, _ in case.groups))
+        cut = min(keep, len(history)) // align * align
+        if cut:
+            return history[:cut]
+    return history[:keep] + tokens(case.seed + 1000 + session, new)
 
 
 def with_mamba(case: FuzzCase, rng: random.Random) -> FuzzCase:
@@ -254,6 +278,7 @@ def run_case(case: FuzzCase, max_steps: int = 20_000) -> FuzzOutcome:
         else:
             outcome.vllm_idle_steps += 1
 
+    returning: list[Any] = []
     try:
         while drv.busy() and drv.step_no < max_steps:
             step()
@@ -262,11 +287,10 @@ def run_case(case: FuzzCase, max_steps: int = 20_000) -> FuzzOutcome:
                 break
         if case.reset_prefix_cache:
             sched.reset_prefix_cache()
-        returning = []
         for s, (first, mt, keep, new) in enumerate(case.sessions):
             warm = sched.requests.get(f"w{s}")
             history = base[s] + [7] * mt  # the simulated model samples token 7
-            prompt = history[:keep] + tokens(case.seed + 1000 + s, new)
+            prompt = returning_prompt(case, s, history)
             returning.append(make_request(f"r{s}", prompt, mt, hash_bs, hash_lookahead_tokens=lookahead))
             del warm
         pending = list(zip(case.return_gaps, returning))
@@ -285,8 +309,10 @@ def run_case(case: FuzzCase, max_steps: int = 20_000) -> FuzzOutcome:
     except LoadContentError as err:
         outcome.mismatches.append(f"content: {err}")
     side = drv.side
+    prompt_tokens = {r.request_id: r.num_prompt_tokens for r in returning}
     for adm in side.admissions:
         outcome.admissions += 1
+        outcome.whole_prompt_loads += adm.plan.hit_tokens == prompt_tokens.get(adm.request_id)
         if adm.free_after is None:
             continue  # vLLM itself refused the allocation after our verdict; nothing was taken
         if adm.free_before - adm.free_after != sum(adm.plan.now):

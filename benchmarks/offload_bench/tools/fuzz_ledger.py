@@ -46,7 +46,8 @@ def main(argv: list[str] | None = None) -> int:
     totals = {"examples": 0, "mismatches": 0, "peak_violations": 0, "loads_peak_checked": 0, "stalls": 0, "idle_zero_token_steps": 0,
               "idle_steps_vllm_own": 0, "idle_steps_exact_need": 0, "undrained": 0,
               "starved": 0, "deferred_loads": 0, "longest_deferral": 0,
-              "errors": 0, "admitted_loads": 0, "loaded_tokens": 0, "deferrals": 0, "too_big": 0,
+              "errors": 0, "admitted_loads": 0, "whole_prompt_loads": 0, "loaded_tokens": 0, "deferrals": 0,
+              "too_big": 0,
               "drafts_scheduled": 0, "drafts_accepted": 0}
     by_spec: dict[str, dict[str, int]] = {}
     by_pp: dict[str, dict[str, int]] = {}
@@ -88,7 +89,7 @@ def main(argv: list[str] | None = None) -> int:
         totals["longest_deferral"] = max(totals["longest_deferral"], out.longest_deferral)
         totals["admitted_loads"] += out.admissions
         totals["loaded_tokens"] += out.loaded_tokens
-        for name in ("deferrals", "too_big", "drafts_scheduled", "drafts_accepted"):
+        for name in ("whole_prompt_loads", "deferrals", "too_big", "drafts_scheduled", "drafts_accepted"):
             totals[name] += getattr(out, name)
         row["admitted_loads"] += out.admissions
         pp_row["admitted_loads"] += out.admissions
