@@ -402,9 +402,9 @@ def test_full_tier_rejects_or_evicts_idle_entries_never_pinned_ones():
     prefix = tokens(1, PREFIX)
     warm(drv, hbs, prefix)
     tier = drv.side.tier
-    # 20 full-attention blocks, the 4-block window at the prompt's end and the block before it (the window one block
-    # earlier, where the same prompt sent again resumes).
-    assert len(tier) == 25
+    # 20 full-attention blocks and the 4-block window at the prompt's end, where the same prompt sent again resumes
+    # (it is loaded whole: `lookup.hit_upper`; before, the window one block earlier was kept too: 25).
+    assert len(tier) == 24
     drv.engine.hold_loads = True
     drv.add([make_request("r", prefix + tokens(3, 40), 3, hbs)])
     step_until(drv, in_load("r"), max_steps=10)
