@@ -122,3 +122,22 @@ def test_a_stall_found_by_the_property_test_drains(eviction, name):
     eviction("lru")
     out = run_lifecycle(LifecycleCase(**case), max_steps=1500)
     assert out.finished == 6 and out.loads_failed >= min_failed and out.loads >= min_loads
+
+
+def test_a_failed_ordered_load_reported_at_once_is_not_left_in_flight(eviction):
+    """Found by the property test above (2026-12-05, in CI): q1's load fails (decided when it is issued) and the
+    worker, reporting loads when issued (`load_completion` "ordered"), reports the failure at once; q1 is aborted and
+    the run drains a step before the copy's due time, and the simulated copier still held the failed copy in flight.
+    It writes nothing and nobody waits for it: read early, it now lands at once. The case drains with every
+    invariant (the copier holding a failed copy in flight broke the drained check)."""
+    from offload_bench.sim.faults import LifecycleCase
+
+    eviction("lru")
+    case = LifecycleCase(
+        layout="full32+sliding16", pool_factor=2.4593708947905064, prefix_caching=False, cpu_slots=24,
+        max_num_batched_tokens=32, batch_depth=1, load_latency=4, store_latency=3,
+        requests=((2, 244, 20, 191), (2, 33, 1, 188), (2, 481, 3, 31), (2, 416, 88, 152), (2, 434, 54, 1)),
+        arrival_gaps=(0, 0, 0, 3, 8), p_abort=0.08, p_preempt=0.08, p_reset=0.3, p_store_fail=0.4, p_load_fail=0.2,
+        seed=978473)
+    out = run_lifecycle(case)
+    assert out.loads_failed >= 1 and out.orphaned_loads >= 1
