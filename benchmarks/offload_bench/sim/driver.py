@@ -18,7 +18,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Any, Callable, Iterable
 
-from offload_connector.groups import GroupKind
+from offload_connector.groups import GroupKind, cdiv
 from offload_bench.sim.drafts import DraftCounts, DraftSampler
 from offload_bench.sim.vllm_compat import runner_output, waiting_count
 from offload_bench.sim.tagcopy import TagCopier, build_worker
@@ -358,7 +358,7 @@ def _must_hold(group: Any, hit: int, num_tokens: int, rid: str) -> range:
     only at a block boundary."""
     if group.kind is not GroupKind.MAMBA:
         resume = min(hit, num_tokens - 1)
-        return range(group.first_live_block(resume), -(-resume // group.block_size))
+        return range(group.first_live_block(resume), cdiv(resume, group.block_size))
     if hit % group.block_size:
         raise LoadContentError(f"{rid}: loaded {hit} tokens, not a boundary of Mamba group {group.index}'s "
                                f"{group.block_size}-token blocks")
