@@ -19,7 +19,7 @@ from offload_connector.scheduler.fairness import DeferredLoad, FairQueue
 from offload_connector.scheduler.second_tier import SecondTierPlanner
 from offload_connector.scheduler.jobs import JobBook
 from offload_connector.scheduler.lookup import full_prefix_tokens, hit_upper, longest_hit
-from offload_connector.scheduler.state import KVBinding, Layout, ReqState, SchedulerCounters
+from offload_connector.scheduler.state import KVBinding, Layout, OfferedLoad, ReqState, SchedulerCounters
 from offload_connector.scheduler.stores import in_prefix_order
 from offload_connector.scheduler.tier_index import TierIndex
 from offload_connector.scheduler.watchdog import PoolHolder
@@ -91,17 +91,22 @@ class AdmissionControl:
         return ready
 
     def hit(self, request: Request, upper: int, local: int = 0, step: int = 0) -> int:
-        """The longest prefix up to `upper` tokens every group can restore from the tiers. Notes a shared-prefix end
-        found there without its window, so that store planning keeps a window at it (`ReqState.junctions`).
+        """The longest prefix up to `upper` tokens every group can restore from the tiers (`lookup`)."""
+        return self.lookup(request, upper, local, step).hit
+
+    def lookup(self, request: Request, upper: int, local: int = 0, step: int = 0) -> OfferedLoad:
+        """The load of the longest prefix up to `upper` tokens every group can restore from the tiers, past the
+        `local` tokens vLLM already has. Notes a shared-prefix end found there without its window, so that store
+        planning keeps a window at it (`ReqState.junctions`).
 
         With a second tier (disk, shared), a hit that needs more CPU-tier slots for read-backs than the CPU tier can
-        free now is cut back to what the CPU tier holds alone (`local`: the tokens vLLM already has, which the load
-        skips)."""
+        free now is cut back to what the CPU tier holds alone."""
         layout = self.layout
         keys = layout.keys(request)
         is_ready = self._ready_fn(request, upper, step)
         full = full_prefix_tokens(layout.groups, keys, is_ready, upper)
         hit = longest_hit(layout.groups, keys, is_ready, upper, layout.alignment, full_tokens=full)
+        load = None
         if self.second_tiers and hit > local:
             load = self.load_keys(request, local, hit)
             # Room for every block of the load, not only the read-backs: its CPU-tier entries are pinned first and
@@ -109,6 +114,7 @@ class AdmissionControl:
             if any(not self.tier.is_ready(key) for _, _, key in load) and not self.tier.has_room(len(load)):
                 full = full_prefix_tokens(layout.groups, keys, self.tier.is_ready, upper)
                 hit = longest_hit(layout.groups, keys, self.tier.is_ready, upper, layout.alignment, full_tokens=full)
+                load = None
         # (a junction stays below the prompt's last token: vLLM's GPU prefix cache never hits the whole prompt)
         junction = min(full, request.num_tokens - 1)
         junction -= junction % layout.alignment
@@ -129,7 +135,9 @@ class AdmissionControl:
             # request sharing this prefix resumes there from the GPU prefix cache. Never lower vLLM's own.
             if self.mark_junctions and junction > getattr(request, "shared_prefix_boundary", junction):
                 request.shared_prefix_boundary = junction
-        return hit
+        if load is None:
+            load = self.load_keys(request, local, hit) if hit > local else []
+        return OfferedLoad(local, hit, tuple(load))
 
     def probe(self, request: Request) -> int:
         """The prefix this host's tiers (CPU, disk) could restore now, without any side effect: no shared-tier query,
@@ -152,6 +160,7 @@ class AdmissionControl:
     def match(self, request: Request, state: ReqState, num_computed_tokens: int, step: int) -> tuple[int | None, bool]:
         """vLLM's `get_num_new_matched_tokens` for a request with no load in flight."""
         capped_since, state.admitted_step = state.admitted_step, None
+        state.offer = None
         if state.requeue:
             # Its load failed. vLLM freed its blocks but left it in `kv_holding_waiting`, which is drained first and
             # breaks at the first request it cannot allocate: there, a recompute refused by the full-sequence gate
@@ -166,7 +175,8 @@ class AdmissionControl:
         # Leave at least one prompt token to compute (the step that computes it produces the first output), or the
         # whole prompt where vLLM computes its last token again (`hit_upper`).
         upper = hit_upper(self.layout.groups, request.num_tokens, self.layout.alignment)
-        hit = self.hit(request, upper, num_computed_tokens, step)
+        offer = self.lookup(request, upper, num_computed_tokens, step)
+        hit = offer.hit
         if hit - num_computed_tokens < self.config.min_load_tokens:
             state.deferred_since = None
             self.fair.clear(request.request_id)
@@ -178,22 +188,23 @@ class AdmissionControl:
             state.counted_hit = True
             self.counters.cpu_hit_tokens += hit - num_computed_tokens
         if self.config.reservation == "vllm":
-            state.offered_hit = hit
+            state.offered_hit, state.offer = hit, offer
             if self.log is not None:  # the comparison shows what the exact ledger would have seen
                 plan = self.plan_load(request, hit, self._local_blocks(request, num_computed_tokens))
                 self.log.append(Admission(request.request_id, step, plan, self._kv().pool.get_num_free_blocks()))
             return hit - num_computed_tokens, True
-        return self._admit(request, state, num_computed_tokens, hit, step, capped_since)
+        return self._admit(request, state, offer, step, capped_since)
 
-    def _admit(self, request: Request, state: ReqState, local: int, hit: int, step: int,
+    def _admit(self, request: Request, state: ReqState, offer: OfferedLoad, step: int,
                capped_since: int | None = None) -> tuple[int | None, bool]:
+        local, hit = offer.local, offer.hit
         kv = self._kv()
         local_blocks = self._local_blocks(request, local)
         plan = self.plan_load(request, hit, local_blocks)
         verdict = ledger.decide(plan, kv.pool.get_num_free_blocks(), kv.watermark,
                                 self._reserved_by_others(request.request_id), self.layout.num_blocks - 1)
         if verdict is ledger.Verdict.ADMIT and self._held_for_older(request, local, hit, step, plan.total):
-            self._keep_warm(request, local, hit)
+            self._keep_warm(offer)
             return None, False
         if verdict is ledger.Verdict.ADMIT:
             if capped_since is not None:
@@ -202,12 +213,12 @@ class AdmissionControl:
                 if self._aged_out(request, state, local, hit, step, since=capped_since):
                     return 0, False
                 self.counters.not_started += 1
-                self._waits(request, local, hit, step, plan, "not_started")
+                self._waits(request, offer, step, plan, "not_started")
             else:
                 self.fair.clear(request.request_id)
                 state.deferred_since = None
             state.admitted_step = step
-            state.offered_hit = hit
+            state.offered_hit, state.offer = hit, offer
             if self.log is not None:
                 self.log.append(Admission(request.request_id, step, plan, kv.pool.get_num_free_blocks()))
             return hit - local, True
@@ -215,7 +226,7 @@ class AdmissionControl:
             if self._aged_out(request, state, local, hit, step, since=step):
                 return 0, False
             self.counters.deferrals += 1
-            self._waits(request, local, hit, step, plan, "pool_full")
+            self._waits(request, offer, step, plan, "pool_full")
             return None, False
         # TOO_BIG: the request's blocks through its prompt do not fit even an idle pool. A shorter hit would not
         # help: a load's total (now + remaining) is the request's need at its target minus the local blocks it
@@ -228,11 +239,11 @@ class AdmissionControl:
         state.no_load = True
         return 0, False
 
-    def _waits(self, request: Request, local: int, hit: int, step: int, plan: ledger.LoadPlan, reason: str) -> None:
+    def _waits(self, request: Request, offer: OfferedLoad, step: int, plan: ledger.LoadPlan, reason: str) -> None:
         """A load that waits this step (for room, or for vLLM to start it): counted under `reason`, its tier entries
         kept warm, and under fair admission newer requests held back for it."""
         self.stats.record_deferral(reason)
-        self._keep_warm(request, local, hit)
+        self._keep_warm(offer)
         if self.config.admission_policy == "fair":
             self.fair.defer(request, step, sum(plan.now), plan.total)
 
@@ -252,7 +263,7 @@ class AdmissionControl:
         state.no_load = True
         return True
 
-    def _keep_warm(self, request: Request, local: int, hit: int) -> None:
+    def _keep_warm(self, offer: OfferedLoad) -> None:
         """Touch the tier entries of a load that is waiting for room, every step it waits.
 
         It waits for exactly these blocks; left to age like any other entry, the stores of the requests that run
@@ -261,7 +272,7 @@ class AdmissionControl:
         prefixes went from 9,952-11,968 tokens to the 1,024-token system prompt, so they were recomputed; touched,
         they are loaded whole (recompute 0.76x the patched vLLM's instead of 0.94x, TTFT p50 0.42x instead of 1.03x).
         """
-        self.tier.touch([key for _, _, key in self.load_keys(request, local, hit)])
+        self.tier.touch([key for _, _, key in offer.blocks])
 
     def _held_for_older(self, request: Request, local: int, hit: int, step: int, need: int | None = None) -> bool:
         """Whether `request` must wait so that an older deferred load keeps the room it is waiting for.
@@ -426,35 +437,31 @@ class AdmissionControl:
             adm.entries_after = tuple(c[0] for c in counts)
             adm.live_after = tuple(c[1] for c in counts)
         local = hit - num_external_tokens
+        offer, state.offer = state.offer, None
+        if offer is None or (offer.local, offer.hit) != (local, hit):
+            # vLLM allocated for another load than the one offered at this step's lookup (not seen in 0.32-0.34):
+            # issue what it allocated for.
+            offer = OfferedLoad(local, hit, tuple(self.load_keys(request, local, hit)))
         groups_, gpu, keylist, load_ends, indices = [], [], [], [], []
-        for gi, i, key in self.load_keys(request, local, hit):
+        for gi, i, key in offer.blocks:
             groups_.append(gi)
             gpu.append(block_ids[gi][i])
             keylist.append(key)
             indices.append(i)
             load_ends.append((i + 1) * self.layout.groups[gi].block_size)
         groups_, gpu, keylist, indices = in_prefix_order(load_ends, groups_, gpu, keylist, indices)
-        state.hit_sources = self._hit_sources(groups_, indices, keylist, local, hit)
-        if not self.second_tiers:
-            slots = self.tier.pin(keylist)
-            self.tier.touch(keylist)
-            job = TransferJob.from_columns(self.jobs.new_job_id(), rid, len(self.layout.groups), groups_, gpu, slots)
-            self.jobs.add_load(job, keylist, num_external_tokens)
-        else:
-            self._start_load_with_read_backs(request, groups_, gpu, keylist, indices, num_external_tokens)
+        # Where each block comes from, before the load pins or promotes anything.
+        sources = [self._source(key) for key in keylist]
+        state.hit_sources = self._hit_sources(groups_, indices, sources, local, hit)
+        self._issue(request, groups_, gpu, keylist, indices, sources, num_external_tokens)
         state.deferred_since = None
         state.admitted_step = None
         self.fair.clear(rid)
-        # Blocks below the hit are on the GPU once the load lands; store planning starts after them.
-        groups = self.layout.groups
-        state.full_stored = [hit // g.block_size if not g.recycling else 0 for g in groups]
-        state.window_scanned = hit
-        state.window_next = [hit // g.block_size for g in groups]
-        state.spare_next = {}
+        state.stores_resume_at(hit, self.layout.groups)
         self.counters.loads_admitted += 1
         self.counters.loaded_tokens += num_external_tokens
 
-    def _hit_sources(self, groups_: list[int], indices: list[int], keylist: list[BlockKey], local: int,
+    def _hit_sources(self, groups_: list[int], indices: list[int], sources: list[int], local: int,
                      hit: int) -> dict[str, int]:
         """The load's tokens `local`..`hit` split by the tier they come from (before the load pins or promotes
         anything): a token counts for the farthest tier among the loaded blocks that cover it; a token no loaded
@@ -462,12 +469,12 @@ class AdmissionControl:
         Interval unions, not a walk over tokens: a million-token load has a few hundred thousand blocks."""
         names = (HOST_SOURCE, *(t.name for t in self.second_tiers))
         spans: list[list[tuple[int, int]]] = [[] for _ in names]  # per tier, nearest first: the token spans covered
-        for gi, i, key in zip(groups_, indices, keylist):
+        for gi, i, source in zip(groups_, indices, sources):
             bs = self.layout.groups[gi].block_size
             lo, hi = max(local, i * bs), min(hit, (i + 1) * bs)
             if lo < hi:
                 # (a block no tier can read counts for the farthest: the lookup that found it saw it there)
-                spans[min(self._source(key), len(names) - 1)].append((lo, hi))
+                spans[min(source, len(names) - 1)].append((lo, hi))
         # Tokens whose farthest tier is at least r: the union of the spans of tiers r and beyond.
         at_least = [_covered([s for tier in spans[r:] for s in tier]) for r in range(len(names))] + [0]
         counts = [at_least[r] - at_least[r + 1] for r in range(len(names))]
@@ -482,15 +489,16 @@ class AdmissionControl:
             return 0
         return next((1 + r for r, t in enumerate(self.second_tiers) if t.can_read(key)), 1 + len(self.second_tiers))
 
-    def _start_load_with_read_backs(self, request: Request, groups_: list[int], gpu: list[int], keylist: list[BlockKey],
-                              indices: list[int], tokens: int) -> None:
-        """Issue a load whose keys may be partly in a second tier (disk, shared): those get fresh CPU-tier entries
-        (reserved like a store's, published when the load lands) and the worker reads them into those slots first."""
+    def _issue(self, request: Request, groups_: list[int], gpu: list[int], keylist: list[BlockKey], indices: list[int],
+               sources: list[int], tokens: int) -> None:
+        """Issue a load: its CPU-tier entries pinned, and those a second tier holds (disk, shared) given fresh
+        CPU-tier entries (reserved like a store's, published when the load lands) that the worker reads them into
+        first."""
         rid = request.request_id
         # Each key once, by where it comes from: the CPU tier, a second tier (nearest first), or none.
         by_source: list[list[BlockKey]] = [[] for _ in range(len(self.second_tiers) + 2)]
-        for k in keylist:
-            by_source[self._source(k)].append(k)
+        for k, source in zip(keylist, sources):
+            by_source[source].append(k)
         in_memory, by_tier, unreadable = by_source[0], by_source[1:-1], by_source[-1]
         slot_of = dict(zip(in_memory, self.tier.pin(in_memory)))
         self.tier.touch(in_memory)
@@ -499,7 +507,7 @@ class AdmissionControl:
         slot_of.update(reserved)
         n_groups = len(self.layout.groups)
         if len(reserved) < len(promoted) or unreadable:
-            # `hit` checked the room in this same scheduler call, so only a custom eviction policy that refuses
+            # The lookup checked the room in this same scheduler call, so only a custom eviction policy that refuses
             # victims gets here: fail the load (vLLM recomputes the prefix) instead of copying a partial one.
             self.tier.finish_store([k for k, _ in reserved], ok=False)
             self.tier.unpin(in_memory)

@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING
 
 from offload_connector.compat import reprefillable_tokens
 from offload_connector.groups import GroupInfo, describe_groups, hit_alignment
+from offload_connector.keys import BlockKey
 from offload_connector.scheduler.lookup import BlockKeys
 
 if TYPE_CHECKING:
@@ -81,6 +82,15 @@ class KVBinding:
     watermark: int
 
 
+@dataclass(frozen=True)
+class OfferedLoad:
+    """A load as the lookup found it and the ledger judged it, issued by `start_load` as it is: its blocks are
+    computed once, at the lookup."""
+    local: int  # tokens vLLM already has (its GPU prefix hit), which the load skips
+    hit: int  # tokens restored once it lands: `local` + the load's
+    blocks: tuple[tuple[int, int, BlockKey], ...]  # (group, block index, key) of every block it copies
+
+
 @dataclass
 class ReqState:
     request: Request
@@ -102,6 +112,7 @@ class ReqState:
     pending_stores: set[int] = field(default_factory=set)
     finished: bool = False
     offered_hit: int = 0  # the hit (local + external) last offered to vLLM
+    offer: OfferedLoad | None = None  # the load offered at this step's lookup, until vLLM starts it
     # The step of an admission vLLM has not started yet (no update_state_after_alloc followed). Still set at the
     # next lookup means vLLM held the load back (0.34's --max-num-inflight-kv-loads, or its own allocation).
     admitted_step: int | None = None
@@ -111,6 +122,14 @@ class ReqState:
     # At its first lookup the prompt shared no prefix with the GPU prefix cache or a tier (None: not looked up yet).
     # Its stores say so to the eviction policy (`EvictionPolicy.unshared`).
     unshared: bool | None = None
+
+    def stores_resume_at(self, hit: int, groups: tuple[GroupInfo, ...]) -> None:
+        """A load of `hit` tokens was issued: blocks below it are on the GPU once it lands (and were in a tier),
+        so store planning starts after them."""
+        self.full_stored = [hit // g.block_size if not g.recycling else 0 for g in groups]
+        self.window_scanned = hit
+        self.window_next = [hit // g.block_size for g in groups]
+        self.spare_next = {}
 
     def restart_windows(self) -> None:
         """Plan every window point from the start again (the blocks of points the tier still holds are skipped)."""

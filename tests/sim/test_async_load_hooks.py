@@ -96,19 +96,22 @@ def test_hit_sources_split_a_load_by_the_farthest_tier_covering_each_token() -> 
                          second_tiers=(SimpleNamespace(name="disk", can_read=lambda k: tiers[k[0]][1]),
                                        SimpleNamespace(name="shared", can_read=lambda k: True)))
     me._source = lambda key: AdmissionControl._source(me, key)
+
+    def split_(groups_: list[int], indices: list[int], keys: list[str], local: int, hit: int) -> dict[str, int]:
+        return AdmissionControl._hit_sources(me, groups_, indices, [me._source(k) for k in keys], local, hit)
     # Tokens 32..96: full blocks 2..5 (host, host, disk, host); window block 2 (64..96) from the shared tier.
     groups_ = [0, 0, 0, 0, 1]
     indices = [2, 3, 4, 5, 2]
     keys = ["h2", "h3", "d4", "h5", "s2"]
-    split = AdmissionControl._hit_sources(me, groups_, indices, keys, 32, 96)
+    split = split_(groups_, indices, keys, 32, 96)
     assert split == {"host": 32, "shared": 32}
     # Without the window block, the disk block's 16 tokens count for the disk.
-    split = AdmissionControl._hit_sources(me, groups_[:4], indices[:4], keys[:4], 32, 96)
+    split = split_(groups_[:4], indices[:4], keys[:4], 32, 96)
     assert split == {"host": 48, "disk": 16}
     # Tokens no loaded block covers (below a window, no full attention) go to the load's farthest tier.
-    split = AdmissionControl._hit_sources(me, [1], [2], ["d2"], 0, 96)
+    split = split_([1], [2], ["d2"], 0, 96)
     assert split == {"disk": 96}
-    assert sum(AdmissionControl._hit_sources(me, [0], [0], ["h0"], 0, 16).values()) == 16
+    assert sum(split_([0], [0], ["h0"], 0, 16).values()) == 16
     # Against a walk over every token, on random loads.
     rng = random.Random(7)
     for _ in range(200):
@@ -116,7 +119,7 @@ def test_hit_sources_split_a_load_by_the_farthest_tier_covering_each_token() -> 
         hit = local + rng.randrange(1, 12) * 32
         picks = [(g, i) for g in (0, 1) for i in range(hit // groups[g].block_size) if rng.random() < 0.6]
         keys = [rng.choice("hds") + str(i) for _, i in picks]
-        got = AdmissionControl._hit_sources(me, [g for g, _ in picks], [i for _, i in picks], keys, local, hit)
+        got = split_([g for g, _ in picks], [i for _, i in picks], keys, local, hit)
         rank = [-1] * (hit - local)
         for (g, i), k in zip(picks, keys):
             bs = groups[g].block_size

@@ -43,7 +43,7 @@ def test_a_deferred_load_is_not_evicted_while_it_waits():
 
 
 def test_without_the_touches_the_same_wait_loses_the_prefix(monkeypatch: pytest.MonkeyPatch):
-    monkeypatch.setattr(AdmissionControl, "_keep_warm", lambda self, request, local, hit: None)
+    monkeypatch.setattr(AdmissionControl, "_keep_warm", lambda self, offer: None)
     r = _scene(SLOTS)
     assert r["drained"] and r["deferrals"] > 0
     assert r["hit"] < PREFIX // 2
