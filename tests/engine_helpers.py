@@ -157,11 +157,25 @@ def run_engine(script: dict[str, Any], timeout: float = 300.0, log_dir: str | os
         return result
 
 
+def _weights_digest(model: Any) -> str:
+    """One hash of every parameter and buffer of the model, by name, as stored."""
+    import torch
+    h = hashlib.blake2b(digest_size=8)
+    tensors = [*model.named_parameters(), *model.named_buffers()]
+    for name, t in sorted(tensors, key=lambda nt: nt[0]):
+        h.update(name.encode())
+        h.update(t.detach().contiguous().view(-1).view(torch.uint8).cpu().numpy().tobytes())
+    return h.hexdigest()
+
+
 def kv_trace_problems(trace: dict[str, Any]) -> list[str]:
     """What an `OC_KV_TRACE` record says was written into KV from outside the forward that owns it, one line each:
     a block that changed while its request held it, one the forward read before its load landed (or that changed
     during the forward), one changed between the forward that computed it and the next step."""
     problems = []
+    weights = trace.get("weights") or []
+    if len(set(weights)) > 1:
+        problems.append(f"the model's weights and buffers changed during the run (OC_KV_TRACE): {weights}")
     if trace.get("changed"):
         problems.append(f"KV blocks changed while their request held them (OC_KV_TRACE): {trace['changed'][:5]}")
     first = trace.get("first") or {}
@@ -396,6 +410,7 @@ def _child(script_path: str, out_path: str) -> None:
     # had not landed when the forward read it ("read" != "first").
     kv_trace: dict[str, Any] | None = ({"first": {}, "changed": [], "read": {}, "written": {}}
                                        if os.environ.get("OC_KV_TRACE") else None)
+    trace_model: list[Any] = [None]
     last_output: list[Any] = [None]
 
     def hash_blocks(into: dict[str, Any], upto: Callable[[str, Any], int], rids: Any) -> None:
@@ -470,6 +485,10 @@ def _child(script_path: str, out_path: str) -> None:
         model = getattr(getattr(worker, "model_runner", None), "model", None)
         if model is not None:  # in-process worker (no TP/PP): nn.Module.__call__ looks forward up on the instance
             model.forward = trace_forward(model.forward)
+            # The model's own memory too: a stray host write (a copy kernel's bad offset) could land in a weight
+            # rather than in KV, and the forward would then compute other KV from identical inputs.
+            kv_trace["weights"] = [_weights_digest(model)]
+            trace_model[0] = model
 
     external: dict[str, int] = {}
     sconn = getattr(sched, "connector", None)
@@ -645,6 +664,8 @@ def _child(script_path: str, out_path: str) -> None:
     if script.get("record_shared_keys"):
         result["shared_keys"] = shared_keys
     if kv_trace is not None:
+        if trace_model[0] is not None:
+            kv_trace["weights"].append(_weights_digest(trace_model[0]))
         result["kv_trace"] = kv_trace
     if copies is not None:
         result["copies"] = copies

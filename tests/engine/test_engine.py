@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 
 from tests.engine_helpers import (
-    BLOCK_SIZE, EngineRunError, Server, connector_config, output_of, parse_prometheus, run_engine, vllm_cpu_version,
-    word_prompt, words,
+    BLOCK_SIZE, EngineRunError, Server, connector_config, kv_trace_problems, output_of, parse_prometheus, run_engine,
+    vllm_cpu_version, word_prompt, words,
 )
 
 if vllm_cpu_version() is None:
@@ -481,12 +481,23 @@ def test_a_load_reported_before_it_lands_is_never_read_early(model_dir: str, pin
     if fenced:
         assert got["token_ids"] == output_of(pinned_baseline, "reload")["token_ids"]
         assert res["kv_trace_problems"] == []
+        # The model's weights were hashed before the first request and after the last, and did not change.
+        weights = res["kv_trace"]["weights"]
+        assert len(weights) == 2 and weights[0] == weights[1], weights
         _no_leaks(res)
     else:
         assert got["token_ids"] != output_of(pinned_baseline, "reload")["token_ids"]
         # The forward read the blocks before the copy landed: seen on entry (read), or, if the next step came before
         # the copy too, as blocks changing under their request.
         assert res["kv_trace_problems"], "the KV trace missed a forward reading a load before it landed"
+
+
+def test_the_kv_trace_reports_weights_that_changed() -> None:
+    """The trace's weight check on its own: two different digests of the model (a stray write into a weight between
+    the start and the end of a run) are a problem, equal ones are not."""
+    assert kv_trace_problems({"weights": ["a1", "a1"]}) == []
+    problems = kv_trace_problems({"weights": ["a1", "b2"]})
+    assert len(problems) == 1 and "weights" in problems[0], problems
 
 
 def test_loaded_tokens_counts_what_landed(offloaded: dict) -> None:
