@@ -73,14 +73,16 @@ counts_blocks_here()`), so they are not multiplied by TP x PP. Load/store time h
 observation per worker per job.
 
 This module imports only vLLM and the standard library: the frontend (API server) process imports it through the
-connector class without either side of the connector.
+connector class without either side of the connector. It names no second tier: each declares its own metrics
+(`TierMetrics`, in its package, registered beside its factories in `second_tiers`) and reports through the generic
+recorders below.
 """
 
 from __future__ import annotations
 
 import threading
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, Mapping, Sequence
 
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
@@ -101,41 +103,46 @@ LOAD_VERIFY_FAILURES = "load_verify_failures"
 LOAD_TIMEOUTS = "load_timeouts"
 LOADS_REPORTED_EARLY = "loads_reported_early"
 LOADED_TOKENS = "loaded_tokens"
-DISK_EVICTIONS, DISK_READ_BACK, DISK_WRITE_SKIPS = "disk_tier_evictions", "disk_tier_read_back_blocks", \
-    "disk_tier_write_skips"
-DISK_WRITTEN_BYTES, DISK_READ_BYTES, DISK_IO_FAILURES = "disk_tier_written_bytes", "disk_tier_read_bytes", \
-    "disk_tier_io_failures"
 DEFERRAL_PREFIX = "deferrals:"
-SHARED_REJECTED_PREFIX = "shared_rejected:"
-DISK_REJECTED_PREFIX = "disk_rejected:"
-# remote.base.REJECT_REASONS, repeated so that this module imports nothing of the tiers (tests check they agree).
-SHARED_REJECT_REASONS: tuple[str, ...] = ("format", "version", "fingerprint", "key", "corrupt", "length",
-                                          "unauthenticated", "mac")
-# disk.store.DiskStats' drop counters, by the same names.
-DISK_REJECT_REASONS: tuple[str, ...] = ("corrupt", "unauthenticated", "mac")
-_REJECTIONS = {"shared": (SHARED_REJECTED_PREFIX, SHARED_REJECT_REASONS),
-               "disk": (DISK_REJECTED_PREFIX, DISK_REJECT_REASONS)}
 # Histogram sample keys.
 LOAD_SECONDS, STORE_SECONDS = "load_seconds", "store_seconds"
 # Gauge keys.
 TIER_USED, TIER_CAPACITY, DEFERRED_REQUESTS = "cpu_tier_used_blocks", "cpu_tier_capacity_blocks", "deferred_requests"
 STALLED = "stalled"
 EVICTION_BIAS = "cpu_tier_eviction_bias"
-DISK_USED, DISK_CAPACITY = "disk_tier_used_blocks", "disk_tier_capacity_blocks"
-REMOTE_READ_BACK, REMOTE_WRITTEN, REMOTE_WRITE_SKIPS = "shared_tier_read_back_blocks", \
-    "shared_tier_written_blocks", "shared_tier_write_skips"
-REMOTE_WRITTEN_BYTES, REMOTE_READ_BYTES, REMOTE_FAILURES = "shared_tier_written_bytes", "shared_tier_read_bytes", \
-    "shared_tier_failures"
-# Each second tier's I/O counters (written bytes, read bytes, failed operations), by its name in the step messages
-# (`transfer_jobs.DISK`, `SHARED`; spelled out: this module imports nothing of the connector).
-_TIER_IO: dict[str, tuple[str, str, str]] = {
-    "disk": (DISK_WRITTEN_BYTES, DISK_READ_BYTES, DISK_IO_FAILURES),
-    "shared": (REMOTE_WRITTEN_BYTES, REMOTE_READ_BYTES, REMOTE_FAILURES),
-}
-_GAUGE_KEYS = (TIER_USED, TIER_CAPACITY, DEFERRED_REQUESTS, STALLED, DISK_USED, DISK_CAPACITY, EVICTION_BIAS)
-_DISK_COUNTERS = (DISK_EVICTIONS, DISK_READ_BACK, DISK_WRITE_SKIPS, DISK_WRITTEN_BYTES, DISK_READ_BYTES,
-                  DISK_IO_FAILURES, REMOTE_READ_BACK, REMOTE_WRITTEN, REMOTE_WRITE_SKIPS, REMOTE_WRITTEN_BYTES,
-                  REMOTE_READ_BYTES, REMOTE_FAILURES)
+_GAUGE_KEYS = (TIER_USED, TIER_CAPACITY, DEFERRED_REQUESTS, STALLED, EVICTION_BIAS)
+
+
+@dataclass(frozen=True)
+class TierMetric:
+    """One series of a second tier: its payload key, its Prometheus name (after `vllm:offload_connector_`, counters
+    with their `_total`) and its help text."""
+    key: str
+    metric: str
+    help: str
+
+
+@dataclass(frozen=True)
+class TierMetrics:
+    """A second tier's metrics, declared in its own package and registered beside its factories (`second_tiers`):
+    the Prometheus side builds its series from these, and the tier reports through `OffloadStatsSink`'s generic
+    recorders with them.
+
+    `planner_totals`: the cumulative counts its scheduler-side planner reports each step (sent as deltas), in the
+    order it passes them; `planner_gauges` likewise, sent as values. `io`: its worker client's written bytes, read
+    bytes and failed operations. `rejected`: the labelled counter of values it refused, the payload key being the
+    prefix of `prefix + reason` for each of `reject_reasons` (a closed set: the label stays bounded)."""
+    name: str  # the tier's name in the step messages (`transfer_jobs.DISK`, `SHARED`)
+    planner_totals: tuple[TierMetric, ...]
+    io: tuple[TierMetric, TierMetric, TierMetric]
+    planner_gauges: tuple[TierMetric, ...] = ()
+    rejected: TierMetric | None = None
+    reject_reasons: tuple[str, ...] = ()
+
+    @property
+    def counters(self) -> tuple[TierMetric, ...]:
+        """Its unlabelled counters."""
+        return (*self.planner_totals, *self.io)
 
 _TRANSFER_KEYS: dict[str, tuple[str, str, str, str]] = {
     "load": (LOADED_BYTES, LOADED_BLOCKS, LOAD_FAILURES, LOAD_SECONDS),
@@ -249,10 +256,11 @@ class OffloadStats(KVConnectorStats):
                 out[f"{direction}_avg_ms"] = _sig(1000 * total / len(times))
                 # Bytes of all workers over the time of all workers: mean bandwidth of one worker's copies.
                 out[f"{direction}_GBps"] = _sig(counters.get(nbytes_key, 0) / total / 1e9) if total > 0 else 0.0
+        transfer_keys = {key for keys in _TRANSFER_KEYS.values() for key in keys}
         for key, value in counters.items():
-            if key.startswith(DEFERRAL_PREFIX) or key in (EVICTIONS, STALLS, STORE_REJECTIONS, LOAD_VERIFY_FAILURES,
-                                                          LOAD_TIMEOUTS, LOADS_REPORTED_EARLY, LOADED_TOKENS,
-                                                          *_DISK_COUNTERS):
+            # Every counter but the transfers' (above) and the labelled ones other than the deferrals: the second
+            # tiers' by whatever keys they declared.
+            if key.startswith(DEFERRAL_PREFIX) or (":" not in key and key not in transfer_keys):
                 out[key.replace(":", "_")] = value
         out.update(gauges)
         if gauges.get(TIER_CAPACITY):
@@ -278,8 +286,7 @@ class OffloadStatsSink:
         self._sent_gauges: dict[str, float] = {}
         self._evictions_seen = 0
         self._rejections_seen = 0
-        self._disk_seen = (0, 0, 0)
-        self._remote_seen = (0, 0, 0)
+        self._tier_seen: dict[str, tuple[int, ...]] = {}
         self._rejected_seen: dict[tuple[str, str, str], int] = {}
 
     def record_transfer(self, direction: Direction, blocks: int, nbytes: int, seconds: float, ok: bool = True,
@@ -312,52 +319,43 @@ class OffloadStatsSink:
             self._gauges[TIER_USED] = used_slots
             self._gauges[TIER_CAPACITY] = total_slots
 
-    def record_disk_tier(self, used_slots: int, total_slots: int, evictions_total: int, read_back_total: int,
-                         write_skips_total: int) -> None:
-        """Scheduler side, once per step: the disk tier's occupancy and cumulative counts (sent as deltas)."""
+    def record_second_tier(self, tier: TierMetrics, totals: Sequence[int], gauges: Sequence[float] = ()) -> None:
+        """Scheduler side, once per step: a second tier's cumulative counts, in the order of its `planner_totals`
+        (sent as deltas; a smaller total means the tier was rebuilt, counted from its new zero), and its gauges in
+        the order of its `planner_gauges`."""
+        if len(totals) != len(tier.planner_totals) or len(gauges) > len(tier.planner_gauges):
+            raise ValueError(f"second tier {tier.name!r} reported {len(totals)} totals and {len(gauges)} gauges; it "
+                             f"declares {len(tier.planner_totals)} and {len(tier.planner_gauges)}")
         with self._lock:
-            totals = (evictions_total, read_back_total, write_skips_total)
-            for key, now, seen in zip((DISK_EVICTIONS, DISK_READ_BACK, DISK_WRITE_SKIPS), totals, self._disk_seen):
-                self._stats._add(key, now - seen if now >= seen else now)
-            self._disk_seen = totals
-            self._gauges[DISK_USED] = used_slots
-            self._gauges[DISK_CAPACITY] = total_slots
+            seen = self._tier_seen.get(tier.name, (0,) * len(totals))
+            for spec, now, was in zip(tier.planner_totals, totals, seen):
+                self._stats._add(spec.key, now - was if now >= was else now)
+            self._tier_seen[tier.name] = tuple(totals)
+            for spec, value in zip(tier.planner_gauges, gauges):
+                self._gauges[spec.key] = value
 
-    def record_remote_tier(self, read_back_total: int, write_skips_total: int, written_total: int) -> None:
-        """Scheduler side, once per step: the shared tier's cumulative counts (sent as deltas)."""
+    def record_tier_io(self, tier: TierMetrics, written_bytes: int, read_bytes: int, failures: int) -> None:
+        """Worker side: bytes this worker's second tier wrote and read since the last call, and its failed
+        operations (disk I/Os, shared-store calls)."""
+        written, read, failed = tier.io
         with self._lock:
-            totals = (read_back_total, write_skips_total, written_total)
-            for key, now, seen in zip((REMOTE_READ_BACK, REMOTE_WRITE_SKIPS, REMOTE_WRITTEN), totals,
-                                      self._remote_seen):
-                self._stats._add(key, now - seen if now >= seen else now)
-            self._remote_seen = totals
+            self._stats._add(written.key, written_bytes)
+            self._stats._add(read.key, read_bytes)
+            self._stats._add(failed.key, failures)
 
-    def record_tier_io(self, tier: str, written_bytes: int, read_bytes: int, failures: int) -> None:
-        """Worker side: bytes this worker's second tier `tier` wrote and read since the last call, and its failed
-        operations (disk I/Os, shared-store calls). A tier with no counter family in `_TIER_IO` (one added without
-        metrics of its own) records nothing."""
-        if tier not in _TIER_IO:
+    def record_rejections(self, tier: TierMetrics, source: str, totals: Mapping[str, int]) -> None:
+        """A second tier's cumulative rejections by reason; `source` names the store ("worker", "markers") so each
+        is sent as its own deltas. Reasons outside the tier's closed set are not recorded, nor anything of a tier
+        that declares no rejection counter."""
+        if tier.rejected is None:
             return
-        written, read, failed = _TIER_IO[tier]
-        with self._lock:
-            self._stats._add(written, written_bytes)
-            self._stats._add(read, read_bytes)
-            self._stats._add(failed, failures)
-
-    def record_rejections(self, tier: str, source: str, totals: dict[str, int]) -> None:
-        """A second tier's cumulative rejections by reason (`tier` "shared": `RemoteStats.rejected`; "disk":
-        `WorkerDiskTier.rejected`); `source` names the store ("worker", "markers") so each is sent as its own deltas.
-        Reasons outside the tier's closed set are not recorded, nor those of a tier with no set in `_REJECTIONS`."""
-        if tier not in _REJECTIONS:
-            return
-        prefix, reasons = _REJECTIONS[tier]
         with self._lock:
             for reason, now in totals.items():
-                if reason not in reasons:
+                if reason not in tier.reject_reasons:
                     continue
-                seen = self._rejected_seen.get((tier, source, reason), 0)
-                self._stats._add(prefix + reason, now - seen if now >= seen else now)
-                self._rejected_seen[(tier, source, reason)] = now
+                seen = self._rejected_seen.get((tier.name, source, reason), 0)
+                self._stats._add(tier.rejected.key + reason, now - seen if now >= seen else now)
+                self._rejected_seen[(tier.name, source, reason)] = now
 
     def record_load_verify_failure(self) -> None:
         """Worker side: a load job whose blocks did not match their stored checksums (also a load failure)."""
@@ -397,8 +395,8 @@ class OffloadStatsSink:
             stats, self._stats = self._stats, OffloadStats()
             # All gauges together when any changed: usage is used over capacity, so both must arrive as a pair.
             if self._gauges != self._sent_gauges:
-                for key, value in self._gauges.items():
-                    stats.set_gauge(key, value)
+                # (the recorders above set only their own keys and those a second tier declared)
+                stats.data[GAUGES].update(self._gauges)
                 self._sent_gauges = dict(self._gauges)
         return None if stats.is_empty() else stats
 

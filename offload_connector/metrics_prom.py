@@ -14,6 +14,7 @@ from prometheus_client import Counter, Gauge, Histogram
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorPromMetrics
 
 from offload_connector import metrics as m
+from offload_connector.second_tiers import SECOND_TIERS, tier_metrics
 
 if TYPE_CHECKING:
     from vllm.config import VllmConfig
@@ -47,42 +48,15 @@ _COUNTERS: dict[str, tuple[str, str]] = {
                                                            "pinned by an in-flight load or store."),
     m.STALLS: ("stalls_total", "Stalls the watchdog detected: no token scheduled for stall_watchdog_steps steps "
                                "while requests waited and no transfer was in flight."),
-    m.DISK_EVICTIONS: ("disk_tier_evictions_total", "Disk-tier entries evicted to make room for new writes."),
-    m.DISK_READ_BACK: ("disk_tier_read_back_blocks_total", "Blocks read back from the disk tier into the CPU tier "
-                                                           "for loads that landed."),
-    m.DISK_WRITE_SKIPS: ("disk_tier_write_skips_total", "Blocks not written to the disk tier: too many writes in "
-                                                        "flight, or every disk slot busy."),
-    m.DISK_WRITTEN_BYTES: ("disk_tier_written_bytes_total", "Bytes written to the disk tier, summed over workers."),
-    m.DISK_READ_BYTES: ("disk_tier_read_bytes_total", "Bytes read from the disk tier, summed over workers."),
-    m.REMOTE_READ_BACK: ("shared_tier_read_back_blocks_total", "Blocks fetched from the shared tier into the CPU "
-                                                               "tier for loads that landed."),
-    m.REMOTE_WRITTEN: ("shared_tier_written_blocks_total", "Blocks every worker wrote to the shared tier."),
-    m.REMOTE_WRITE_SKIPS: ("shared_tier_write_skips_total", "Blocks not written to the shared tier: too many writes "
-                                                            "in flight."),
-    m.REMOTE_WRITTEN_BYTES: ("shared_tier_written_bytes_total", "Bytes written to the shared tier, summed over "
-                                                                "workers."),
-    m.REMOTE_READ_BYTES: ("shared_tier_read_bytes_total", "Bytes fetched from the shared tier, summed over workers."),
-    m.REMOTE_FAILURES: ("shared_tier_failures_total", "Shared-tier puts or gets that failed or were rejected on a "
-                                                      "worker (missing, another model, corrupt)."),
-    m.DISK_IO_FAILURES: ("disk_tier_io_failures_total", "Disk-tier reads or writes that failed on a worker (I/O "
-                                                        "error or corrupt slot); a failed read fails its load."),
 }
 _DEFERRALS = ("deferrals_total", (
     "Load decisions other than admitting the full hit now, by reason: pool_full (held back this step, does not fit "
     "next to in-flight loads), too_big (recomputed: could not fit even in an idle pool), aged_out (deferred too "
     "long; the prefix is recomputed), held_for_older (admission_policy fair: held back this step so that an older "
     "deferred load keeps its room)."))
-_SHARED_REJECTED = ("shared_tier_rejected_blocks_total", (
-    "Values read from the shared tier and refused, by reason: mac / unauthenticated (written without the secret: "
-    "forged, or by an engine without remote_secret_file), corrupt, key, fingerprint, version, format, length. "
-    "Each is a miss; the request recomputes."))
-_DISK_REJECTED = ("disk_tier_rejected_blocks_total", (
-    "Disk-tier slots dropped on a worker, by reason: mac / unauthenticated (a tag that does not verify, or none, "
-    "with disk_secret_file: a planted or moved slot), corrupt (a record or data CRC that fails: torn or damaged). "
-    "A dropped slot read for a load fails that load; the request recomputes."))
-_LABELLED = ((_DEFERRALS, m.DEFERRAL_PREFIX, m.DEFERRAL_REASONS),
-             (_SHARED_REJECTED, m.SHARED_REJECTED_PREFIX, m.SHARED_REJECT_REASONS),
-             (_DISK_REJECTED, m.DISK_REJECTED_PREFIX, m.DISK_REJECT_REASONS))
+# (metric name, help), payload key prefix, reasons: one counter with a `reason` label each
+_LABELLED: tuple[tuple[tuple[str, str], str, tuple[str, ...]], ...] = ((_DEFERRALS, m.DEFERRAL_PREFIX,
+                                                                        m.DEFERRAL_REASONS),)
 _GAUGES: dict[str, tuple[str, str]] = {
     m.TIER_USED: ("cpu_tier_used_blocks", "CPU-tier slots in use (one KV block of one group each)."),
     m.TIER_CAPACITY: ("cpu_tier_capacity_blocks", "CPU-tier slots in all."),
@@ -91,14 +65,19 @@ _GAUGES: dict[str, tuple[str, str]] = {
     m.EVICTION_BIAS: ("cpu_tier_eviction_bias", "slru's probation bias (0 under lru and arc): ln of how much faster "
                                                 "entries stored by requests that shared no prefix age than the "
                                                 "others; above 0, one-shot prompts are evicted first."),
-    m.DISK_USED: ("disk_tier_used_blocks", "Disk-tier slots in use, per worker (every worker holds the same keys)."),
-    m.DISK_CAPACITY: ("disk_tier_capacity_blocks", "Disk-tier slots in all, per worker."),
 }
 _USAGE = ("cpu_tier_usage_perc", "CPU-tier usage, used over capacity slots; 1 means 100 percent.")
 _HISTOGRAMS: dict[str, tuple[str, str]] = {
     m.LOAD_SECONDS: ("load_time_seconds", "Duration of one load job (CPU tier to GPU) on one worker."),
     m.STORE_SECONDS: ("store_time_seconds", "Duration of one store job (GPU to CPU tier) on one worker."),
 }
+
+# Each second tier's series, as it declared them (`second_tiers`: its package's `TierMetrics`).
+for _tier in (tier_metrics(name) for name in SECOND_TIERS):
+    _COUNTERS.update({c.key: (c.metric, c.help) for c in _tier.counters})
+    _GAUGES.update({g.key: (g.metric, g.help) for g in _tier.planner_gauges})
+    if _tier.rejected is not None:
+        _LABELLED += (((_tier.rejected.metric, _tier.rejected.help), _tier.rejected.key, _tier.reject_reasons),)
 
 # Every metric name this module registers, for tests and for whoever checks /metrics.
 METRIC_NAMES: tuple[str, ...] = tuple(

@@ -24,6 +24,7 @@ from typing import TYPE_CHECKING, Callable, Sequence
 
 from offload_connector.disk.format import DiskFormatError
 from offload_connector.disk.index import DiskEntry, DiskIndex, scan_directory
+from offload_connector.disk.metrics import METRICS
 from offload_connector.disk.placement import disk_slots, rank_dir
 from offload_connector.log import get_logger
 from offload_connector.transfer_jobs import DISK, TierStep
@@ -224,8 +225,8 @@ class DiskTierPlanner:
 
     def record_stats(self, stats: OffloadStatsSink) -> None:
         c = self.counters
-        stats.record_disk_tier(self.used_slots(), self.catalog.num_slots, c.evictions, c.promoted_blocks,
-                               c.write_skips)
+        stats.record_second_tier(METRICS, (c.evictions, c.promoted_blocks, c.write_skips),
+                                 (self.used_slots(), self.catalog.num_slots))
 
     def forget(self, request_id: str) -> None:
         """Nothing kept per request (the shared tier caches its lookups per request)."""

@@ -22,6 +22,7 @@ from typing import TYPE_CHECKING, Callable, Iterable, Sequence
 
 from offload_connector.log import get_logger
 from offload_connector.transfer_jobs import SHARED, TierStep
+from offload_connector.remote.metrics import METRICS
 from offload_connector.scheduler.lookup import full_prefix_tokens
 from offload_connector.scheduler.write_through import WriteThrough, max_writing_blocks
 from offload_connector.scheduler.tier_index import TierIndex
@@ -213,8 +214,8 @@ class RemoteTierPlanner:
 
     def record_stats(self, stats: OffloadStatsSink) -> None:
         r = self.counters
-        stats.record_remote_tier(r.fetched_blocks, r.write_skips, r.writes_landed)
-        stats.record_rejections(SHARED, "markers", self.markers.stats().rejected)
+        stats.record_second_tier(METRICS, (r.fetched_blocks, r.write_skips, r.writes_landed))
+        stats.record_rejections(METRICS, "markers", self.markers.stats().rejected)
 
 
 def open_marker_store(config: OffloadConfig, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig,

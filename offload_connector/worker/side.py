@@ -22,6 +22,7 @@ from offload_connector.groups import tier_slots
 from offload_connector.log import get_logger
 from offload_connector.metadata import OffloadMetadata, OffloadWorkerMetadata, TransferJob
 from offload_connector.metrics import OffloadStats, OffloadStatsSink, counts_blocks_here
+from offload_connector.second_tiers import tier_metrics
 from offload_connector.worker.faults import install_faults
 from offload_connector.worker.layout import KVLayout, build_layout, host_views
 from offload_connector.worker.second_tier import ReadHandle, WorkerSecondTier
@@ -218,8 +219,9 @@ class OffloadWorker:
                 self._writes_done.setdefault(name, []).extend(done)
             if failed:
                 self._writes_failed.setdefault(name, []).extend(failed)
-            self.stats.record_tier_io(name, *second.io_deltas())
-            self.stats.record_rejections(name, "worker", second.rejected())
+            metrics = tier_metrics(name)  # what the tier reports under, as its package declares
+            self.stats.record_tier_io(metrics, *second.io_deltas())
+            self.stats.record_rejections(metrics, "worker", second.rejected())
         timeouts_before = self.engine.timeouts
         results = self.engine.poll()
         for _ in range(self.engine.timeouts - timeouts_before):

@@ -16,6 +16,7 @@ import pytest
 
 from offload_connector import second_tiers
 from offload_connector.keys import BlockKey
+from offload_connector.metrics import OffloadStatsSink, TierMetric, TierMetrics
 from offload_connector.scheduler.second_tier import PlannerContext
 from offload_connector.scheduler.write_through import WriteThrough, max_writing_blocks
 from offload_connector.transfer_jobs import TierRead, TierStep
@@ -28,6 +29,17 @@ from offload_bench.sim.scenarios import StallScenario, connector_config, plan_sc
 from offload_bench.sim.tagcopy import TagCopier
 
 MEMO = "memo"
+
+# --- the whole tier: its metrics (what the Prometheus side registers for it, what it reports under) ----------------
+
+MEMO_METRICS = TierMetrics(
+    name=MEMO,
+    planner_totals=(TierMetric("memo_tier_read_back_blocks", "memo_tier_read_back_blocks_total",
+                               "Blocks read back from the memo tier into the CPU tier for loads that landed."),),
+    io=(TierMetric("memo_tier_written_bytes", "memo_tier_written_bytes_total", "Bytes written to the memo tier."),
+        TierMetric("memo_tier_read_bytes", "memo_tier_read_bytes_total", "Bytes read from the memo tier."),
+        TierMetric("memo_tier_failures", "memo_tier_failures_total", "Memo-tier operations that failed.")),
+)
 
 
 # --- the whole tier: a scheduler-side planner and a worker-side client ------------------------------------------
@@ -89,8 +101,8 @@ class MemoPlanner:
     def busy(self) -> bool:
         return self.writes.busy() or self._clear
 
-    def record_stats(self, stats: Any) -> None:
-        pass
+    def record_stats(self, stats: OffloadStatsSink) -> None:
+        stats.record_second_tier(MEMO_METRICS, (self.read_back_blocks,))
 
     def describe(self) -> str:
         return "in process memory"
@@ -167,7 +179,8 @@ def _run(register: bool, monkeypatch: pytest.MonkeyPatch) -> dict[str, Any]:
     built.clear()
     if register:
         monkeypatch.setitem(second_tiers.SECOND_TIERS, MEMO, (f"{__name__}:open_memo_planner",
-                                                              f"{__name__}:open_memo_client"))
+                                                              f"{__name__}:open_memo_client",
+                                                              f"{__name__}:MEMO_METRICS"))
     built["copier"] = copier = TagCopier(1)
     vc, sim = plan_scenario(SCN, connector_config("exact", SCN.cpu_bytes))
     drv = SchedulerDriver(build_scheduler(sim, vc), copier)
@@ -193,6 +206,10 @@ def test_a_trivial_third_tier_is_one_registry_line(monkeypatch: pytest.MonkeyPat
     # The evicted prefix came back from the memo tier (every loaded block's tag checked by the driver), so more was
     # loaded than with the CPU tier alone, which had to recompute it.
     assert planner.read_back_blocks > 0
+    # It reports under the metrics it declared.
+    sink = OffloadStatsSink()
+    planner.record_stats(sink)
+    assert sink.take().data["counters"] == {"memo_tier_read_back_blocks": planner.read_back_blocks}
     assert with_memo["loaded"] > plain["loaded"], (with_memo["loaded"], plain["loaded"])
     # A cache reset reaches it: the planner forgets, the next step tells the workers to.
     assert side.reset_cache()

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import functools
 import pickle
 import threading
@@ -379,9 +381,40 @@ def test_module_imports_neither_side() -> None:
            [a.name for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names
             if a.name.startswith("offload_connector")]
     assert ours == [], ours
-    # ... so the second tiers' names are spelled out there: the same as the step messages'.
+    # ... and names no second tier: each declares its own metrics, registered beside its factories.
+    source = inspect.getsource(m).split('"""', 2)[2]  # the code, past the module docstring's metric table
+    assert not re.search(r"\b(disk|shared|remote)_tier", source), "metrics.py names a second tier"
+    from offload_connector.second_tiers import SECOND_TIERS, tier_metrics
     from offload_connector.transfer_jobs import DISK, SHARED
-    assert set(m._TIER_IO) == {DISK, SHARED}
+    assert set(SECOND_TIERS) == {DISK, SHARED}
+    assert {name: tier_metrics(name).name for name in SECOND_TIERS} == {DISK: DISK, SHARED: SHARED}
+
+
+def test_a_second_tier_reports_through_the_generic_recorders_with_the_metrics_it_declares() -> None:
+    """A tier that is not one of ours: its totals go out as deltas under its own keys, a rebuilt tier counts from
+    its new zero, its gauges as values, its rejections by reason within its closed set, and a report that does not
+    match its declaration is refused."""
+    tier = m.TierMetrics(
+        name="toy",
+        planner_totals=(m.TierMetric("toy_a", "toy_a_total", "a"), m.TierMetric("toy_b", "toy_b_total", "b")),
+        io=(m.TierMetric("toy_w", "toy_w_total", "w"), m.TierMetric("toy_r", "toy_r_total", "r"),
+            m.TierMetric("toy_f", "toy_f_total", "f")),
+        planner_gauges=(m.TierMetric("toy_used", "toy_used", "u"),),
+        rejected=m.TierMetric("toy_rejected:", "toy_rejected_total", "x"), reject_reasons=("mac",))
+    sink = m.OffloadStatsSink()
+    sink.record_second_tier(tier, (5, 2), (7,))
+    sink.record_tier_io(tier, 100, 50, 1)
+    sink.record_rejections(tier, "worker", {"mac": 2, "other": 9})
+    first = sink.take()
+    assert first.data[m.COUNTERS] == {"toy_a": 5, "toy_b": 2, "toy_w": 100, "toy_r": 50, "toy_f": 1,
+                                      "toy_rejected:mac": 2}
+    assert first.data[m.GAUGES]["toy_used"] == 7
+    reduced = first.reduce()
+    assert reduced["toy_a"] == 5 and reduced["toy_w"] == 100 and "toy_rejected_mac" not in reduced
+    sink.record_second_tier(tier, (6, 1), (7,))  # b went down: the tier was rebuilt
+    assert sink.take().data[m.COUNTERS] == {"toy_a": 1, "toy_b": 1}
+    with pytest.raises(ValueError, match="toy"):
+        sink.record_second_tier(tier, (1,))
 
 
 def test_stall_state_counter_once_and_gauge_while_stalled():

@@ -72,8 +72,8 @@ def test_derive_mac_key():
 
 
 def test_reject_reasons_agree_with_the_metric():
-    from offload_connector.metrics import SHARED_REJECT_REASONS
-    assert SHARED_REJECT_REASONS == base.REJECT_REASONS
+    from offload_connector.remote.metrics import METRICS
+    assert METRICS.reject_reasons == base.REJECT_REASONS
 
 
 # -- both real stores ---------------------------------------------------------------------------------------------------
@@ -197,12 +197,13 @@ def test_nul_byte_in_disk_path_and_store_options_is_one_config_error():
 # -- the metric ----------------------------------------------------------------------------------------------------------
 def test_rejections_are_counted_by_reason_as_deltas_per_source():
     from offload_connector import metrics as m
+    from offload_connector.remote.metrics import METRICS
     sink = m.OffloadStatsSink()
-    sink.record_rejections("shared", "worker", {"mac": 2, "corrupt": 1, "bogus": 5})
-    sink.record_rejections("shared", "markers", {"unauthenticated": 1})
+    sink.record_rejections(METRICS, "worker", {"mac": 2, "corrupt": 1, "bogus": 5})
+    sink.record_rejections(METRICS, "markers", {"unauthenticated": 1})
     counters = sink.take().data[m.COUNTERS]
-    assert {k: v for k, v in counters.items() if k.startswith(m.SHARED_REJECTED_PREFIX)} == {
+    assert {k: v for k, v in counters.items() if k.startswith(METRICS.rejected.key)} == {
         "shared_rejected:mac": 2, "shared_rejected:corrupt": 1, "shared_rejected:unauthenticated": 1}
-    sink.record_rejections("shared", "worker", {"mac": 3, "corrupt": 1})
+    sink.record_rejections(METRICS, "worker", {"mac": 3, "corrupt": 1})
     counters = sink.take().data[m.COUNTERS]
     assert counters.get("shared_rejected:mac") == 1 and not counters.get("shared_rejected:corrupt")

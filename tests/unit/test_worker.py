@@ -442,7 +442,8 @@ def test_disk_tier_write_through_and_read_back_into_gpu_blocks(tmp_path):
     reads it back into another CPU-tier slot first and only then copies it to the GPU."""
     import time as _time
     from offload_connector.metadata import TierWrite
-    from offload_connector.metrics import DISK_READ_BYTES, DISK_WRITTEN_BYTES
+    from offload_connector.disk.metrics import METRICS
+    DISK_WRITTEN_BYTES, DISK_READ_BYTES = METRICS.io[0].key, METRICS.io[1].key
     config, caches, regions = aliased_gemma_like()
     worker = make_worker(config, caches, 16 * 2 * PAGE, disk_path=str(tmp_path), disk_bytes="4Mi")
     original = regions.clone()
