@@ -80,16 +80,27 @@ def test_the_load_path_walk_lists_the_files_a_load_enters(tmp_path: Path) -> Non
     out = tmp_path / "walk.json"
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "benchmarks")]),
            "VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1"}
-    done = subprocess.run([sys.executable, "-m", "offload_bench", "load-path", "--json", str(out)], cwd=ROOT,
-                          env=env, capture_output=True, text=True, timeout=600)
+    done = subprocess.run([sys.executable, "-m", "offload_bench", "load-path", "--json", str(out), "--by-hook"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-2000:]
     import json
-    files = json.loads(out.read_text())["files"]
+    walk = json.loads(out.read_text())
+    files = walk["files"]
     for f in ("offload_connector/scheduler/admission.py", "offload_connector/scheduler/ledger.py",
               "offload_connector/scheduler/tier_index.py", "offload_connector/worker/transfers.py",
               "offload_connector/worker/landing.py"):
         assert files.get(f, 0) > 0, (f, files)
     assert f"{len(files)} files" in done.stdout
+    # Split by hook, the calls add up to the same totals, and the lookup went through admission and the ledger.
+    hooks = walk["by_hook"]
+    totals: dict[str, int] = {}
+    for counts in hooks.values():
+        for f, n in counts.items():
+            totals[f] = totals.get(f, 0) + n
+    assert totals == files
+    lookup = hooks["offload_connector/connector.py:get_num_new_matched_tokens"]
+    assert lookup.get("offload_connector/scheduler/admission.py", 0) > 0 and lookup.get(
+        "offload_connector/scheduler/ledger.py", 0) > 0, lookup
 
 
 def test_results_that_cannot_be_written_after_a_run_are_one_line_and_exit_1(capsys):

@@ -6,8 +6,11 @@ prefix is loaded from the CPU tier. Every function of `offload_connector/` and `
 arrival until it finishes is recorded (`sys.setprofile`); the files are listed in the order first entered, with the
 calls into each. The return's one new block is stored too, and the per-step bookkeeping (metrics, watchdog, events)
 runs, so the count is an upper bound of the load path proper (issue "A house for the next engineer": at most 12).
+`--by-hook` splits the calls by the connector method vLLM (or the worker's step) entered them through, so the load's
+own hooks (`get_num_new_matched_tokens`, `update_state_after_alloc`, the worker's `start`/`fence`/`transfer_results`,
+`update_connector_output`) read apart from store planning, per-step bookkeeping and the finished request's ranking.
 
-    PYTHONPATH=.:benchmarks offload-connector load-path [--json F]
+    PYTHONPATH=.:benchmarks offload-connector load-path [--json F] [--by-hook]
 """
 from __future__ import annotations
 
@@ -22,8 +25,9 @@ from offload_bench.args import OneLineParser
 ROOT = Path(__file__).resolve().parents[3]  # the repository: tools -> offload_bench -> benchmarks -> root
 
 
-def walk() -> list[tuple[str, int]]:
-    """(file relative to the repository, calls) in the order the load first entered each file."""
+def walk(by_hook: dict[str, collections.Counter[str]] | None = None) -> list[tuple[str, int]]:
+    """(file relative to the repository, calls) in the order the load first entered each file. With `by_hook`, also
+    the calls per entry point: "file:function" of the outermost connector frame -> file -> calls."""
     from offload_bench.platform import use_cpu_platform
     use_cpu_platform()
     from offload_bench.sim.requests import make_request, tokens
@@ -41,7 +45,16 @@ def walk() -> list[tuple[str, int]]:
 
     def profile(frame, event, arg):  # noqa: ANN001 - sys.setprofile's signature
         if event == "call" and frame.f_code.co_filename.startswith(roots):
-            calls[os.path.relpath(frame.f_code.co_filename, ROOT)] += 1
+            name = os.path.relpath(frame.f_code.co_filename, ROOT)
+            calls[name] += 1
+            if by_hook is not None:
+                outer, f = frame, frame.f_back
+                while f is not None:
+                    if f.f_code.co_filename.startswith(roots):
+                        outer = f
+                    f = f.f_back
+                hook = f"{os.path.relpath(outer.f_code.co_filename, ROOT)}:{outer.f_code.co_name}"
+                by_hook.setdefault(hook, collections.Counter())[name] += 1
 
     drv.add([make_request("return", prompt, 1, sim.hash_block_size)])
     sys.setprofile(profile)
@@ -57,14 +70,22 @@ def walk() -> list[tuple[str, int]]:
 def main(argv: list[str] | None = None) -> int:
     p = OneLineParser(prog="offload-connector load-path", description=__doc__.split("\n\n")[0])
     p.add_argument("--json", help="write the file list here")
+    p.add_argument("--by-hook", action="store_true", help="also list the files entered through each connector hook")
     args = p.parse_args(argv)
     p.check_output("--json", args.json)  # before the run, not after
-    files = walk()
+    hooks: dict[str, collections.Counter[str]] | None = {} if args.by_hook else None
+    files = walk(hooks)
     for name, n in files:
         print(f"{n:7,d}  {name}")
     print(f"{len(files)} files")
+    if hooks is not None:
+        for hook, counts in hooks.items():
+            print(f"{hook}: {len(counts)} files: " + ", ".join(f"{f} {n:,d}" for f, n in counts.items()))
     if args.json:
-        Path(args.json).write_text(json.dumps({"files": dict(files)}, indent=1))
+        out: dict[str, object] = {"files": dict(files)}
+        if hooks is not None:
+            out["by_hook"] = {hook: dict(counts) for hook, counts in hooks.items()}
+        Path(args.json).write_text(json.dumps(out, indent=1))
     return 0
 
 
