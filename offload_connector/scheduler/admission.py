@@ -20,8 +20,7 @@ from offload_connector.scheduler.second_tier import SecondTierPlanner
 from offload_connector.scheduler.jobs import JobBook
 from offload_connector.scheduler.lookup import full_prefix_tokens, hit_upper, longest_hit
 from offload_connector.scheduler.state import KVBinding, Layout, OfferedLoad, ReqState, SchedulerCounters
-from offload_connector.scheduler.stores import in_prefix_order
-from offload_connector.scheduler.tier_index import TierIndex
+from offload_connector.scheduler.tier_index import TierIndex, in_prefix_order
 from offload_connector.scheduler.watchdog import PoolHolder
 
 if TYPE_CHECKING:

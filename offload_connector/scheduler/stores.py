@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Hashable
+from typing import Hashable
 
 from offload_connector.config import OffloadConfig
 from offload_connector.groups import GroupInfo, GroupKind
@@ -11,7 +11,7 @@ from offload_connector.scheduler.events import TierEvents
 from offload_connector.scheduler.jobs import JobBook
 from offload_connector.scheduler.lookup import hit_upper
 from offload_connector.scheduler.state import KVBinding, Layout, ReqState, SchedulerCounters
-from offload_connector.scheduler.tier_index import TierIndex
+from offload_connector.scheduler.tier_index import TierIndex, in_prefix_order
 from offload_connector.scheduler.windows import spare_points, store_points
 
 
@@ -161,14 +161,3 @@ class StorePlanner:
         state.pending_stores.add(job.job_id)
         self.counters.stores += 1
         self.counters.stored_blocks += job.num_blocks
-
-
-# Any: the columns differ in type (groups, block ids, keys), and the callers unpack each back into its own.
-def in_prefix_order(positions: list[int], *columns: list[Any]) -> list[list[Any]]:
-    """Reorders parallel per-block lists by the token position just past each block, across groups.
-
-    The tier ages a prefix from its tail in the order it is handed blocks, so in this order a window is evicted
-    together with the full-attention blocks around its point, not before them (which left those full-attention
-    blocks useless past the last window still stored)."""
-    order = sorted(range(len(positions)), key=positions.__getitem__)
-    return [[col[i] for i in order] for col in columns]

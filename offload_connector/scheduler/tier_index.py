@@ -34,7 +34,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Callable, Collection, Iterable, Mapping, Sequence
+from typing import Any, Callable, Collection, Iterable, Mapping, Sequence
 
 from offload_connector.scheduler.eviction import EvictionPolicy, make_policy
 from offload_connector.keys import BlockKey
@@ -464,3 +464,14 @@ class TierIndex:
     def _unspare(self, key: Key) -> None:
         self._spare.pop(key, None)
         self._spare_oneshot.pop(key, None)
+
+
+# Any: the columns differ in type (groups, block ids, keys), and the callers unpack each back into its own.
+def in_prefix_order(positions: list[int], *columns: list[Any]) -> list[list[Any]]:
+    """Reorders parallel per-block lists by the token position just past each block, across groups.
+
+    The tier ages a prefix from its tail in the order it is handed blocks, so in this order a window is evicted
+    together with the full-attention blocks around its point, not before them (which left those full-attention
+    blocks useless past the last window still stored)."""
+    order = sorted(range(len(positions)), key=positions.__getitem__)
+    return [[col[i] for i in order] for col in columns]
