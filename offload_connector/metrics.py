@@ -130,8 +130,8 @@ class TierMetrics:
 
     `planner_totals`: the cumulative counts its scheduler-side planner reports each step (sent as deltas), in the
     order it passes them; `planner_gauges` likewise, sent as values. `io`: its worker client's written bytes, read
-    bytes and failed operations. `rejected`: the labelled counter of values it refused, the payload key being the
-    prefix of `prefix + reason` for each of `reject_reasons` (a closed set: the label stays bounded)."""
+    bytes and failed operations. `rejected`: the labelled counter of values it refused; its `key` is a payload prefix,
+    each reason of `reject_reasons` counted under `key + reason` (a closed set, so the label stays bounded)."""
     name: str  # the tier's name in the step messages (`transfer_jobs.DISK`, `SHARED`)
     planner_totals: tuple[TierMetric, ...]
     io: tuple[TierMetric, TierMetric, TierMetric]
@@ -143,6 +143,7 @@ class TierMetrics:
     def counters(self) -> tuple[TierMetric, ...]:
         """Its unlabelled counters."""
         return (*self.planner_totals, *self.io)
+
 
 _TRANSFER_KEYS: dict[str, tuple[str, str, str, str]] = {
     "load": (LOADED_BYTES, LOADED_BLOCKS, LOAD_FAILURES, LOAD_SECONDS),
