@@ -4,6 +4,7 @@ block, a run that ignores the value, or a run that fails only when it writes its
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -37,6 +38,8 @@ CASES = [
     ("mac-bench", ["--json", MISSING], "does not exist"),
     ("layout-sweep", ["--timeout", "0"], "--timeout"),
     ("layout-sweep", ["--layouts", "nope"], "unknown"),
+    ("layout-sweep", ["--offload-config", "{"], "not JSON"),
+    ("layout-sweep", ["--offload-config", '{"eviction": "nope"}'], "eviction"),
     ("contention", ["--runs", "0"], "--runs"),
     ("contention", ["--run-timeout-s", "inf"], "not finite"),
     ("transfer-bench", ["--out", "/dev/null/x"], "--out"),
@@ -65,6 +68,21 @@ def test_a_bad_argument_is_one_line_and_exit_2(command: str, argv: list[str], sa
     assert len(lines) == 1 and "Traceback" not in done.stderr, done.stderr[-2000:]
     assert lines[0].startswith(f"offload-connector {command}: error: ") and says in lines[0], lines[0]
     assert not list(tmp_path.iterdir()), "a bad argument left files behind"
+
+
+def test_a_sweep_resumed_with_other_connector_settings_is_refused(tmp_path: Path) -> None:
+    """Cases run with one --offload-config are not mixed with another's in one sweep: one line, exit 2, the log
+    untouched."""
+    log = tmp_path / "sweep.jsonl"
+    log.write_text(json.dumps({"layout": "x", "workload": "y", "offload_config": {"eviction": "lru"}}) + "\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), str(ROOT / "benchmarks")]),
+           "VLLM_TARGET_DEVICE": "cpu", "HF_HUB_OFFLINE": "1"}
+    done = subprocess.run([sys.executable, "-m", "offload_bench", "layout-sweep", "--out", str(tmp_path), "--resume",
+                           "--no-progress"], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    lines = [x for x in done.stderr.splitlines() if x.strip() and not _noise(x)]
+    assert done.returncode == 2 and len(lines) == 1, done.stderr[-2000:]
+    assert "--offload-config" in lines[0] and "eviction" in lines[0], lines[0]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["sweep.jsonl"]
 
 
 def _noise(line: str) -> bool:

@@ -9,6 +9,7 @@ the Mooncake trace (one process per case, so a layout vLLM refuses is one line, 
 reports per metric the worst case, not the mean:
 
     offload-connector layout-sweep --out results/sweep [--layouts a,b] [--workloads x,y] [--resume]
+        [--offload-config '{"eviction": "lru"}']
 
 Each case's replay JSON is kept in `--out` (`<layout>--<workload>.json`), its outcome appended to `sweep.jsonl`;
 `--resume` skips the cases already there, so the sweep can be gathered over several sittings. `--list` prints the
@@ -30,6 +31,7 @@ from pathlib import Path
 from typing import Any
 
 from offload_bench.args import ArgError, OneLineParser, check_output_dir, fail, float_in
+from offload_bench.replay.command import _offload_config
 
 ROOT = Path(__file__).resolve().parents[3]  # the repository: tools -> offload_bench -> benchmarks -> root
 MODELS = ROOT / "benchmarks" / "offload_bench" / "sim" / "models"
@@ -127,7 +129,8 @@ def out_of_bounds(row: dict[str, Any]) -> list[str]:
     return why
 
 
-def run_case(layout: Layout, workload: str, out: Path, timeout_s: float) -> dict[str, Any]:
+def run_case(layout: Layout, workload: str, out: Path, timeout_s: float,
+             offload_config: dict[str, Any] | None = None) -> dict[str, Any]:
     cfg = write_config(layout, out / "layouts")
     js = out / f"{layout.name}--{workload}.json"
     cmd = [sys.executable, "-m", "offload_bench", "replay", "--model", str(cfg), "--trace", workload,
@@ -137,9 +140,11 @@ def run_case(layout: Layout, workload: str, out: Path, timeout_s: float) -> dict
         cmd += ["--num-speculative-tokens", str(layout.spec_tokens)]
     if workload == "mooncake-synthetic":
         cmd += ["--limit", str(MOONCAKE_LIMIT)]
+    if offload_config:
+        cmd += ["--offload-config", json.dumps(offload_config, sort_keys=True)]
     t0 = time.monotonic()
     rec: dict[str, Any] = {"layout": layout.name, "describe": layout.describe(), "workload": workload,
-                           "args": [a for a in cmd[3:] if a != str(js)]}
+                           "args": [a for a in cmd[3:] if a != str(js)], "offload_config": offload_config or {}}
     try:
         proc = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s)
     except subprocess.TimeoutExpired:
@@ -205,6 +210,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="seconds one case may take (default 3600)")
     p.add_argument("--list", action="store_true", help="print the layouts and exit")
     p.add_argument("--no-progress", action="store_true")
+    p.add_argument("--offload-config", type=_offload_config, default={},
+                   help="connector settings for our column of every case, as replay's --offload-config (JSON), e.g. "
+                        "'{\"eviction\": \"lru\"}'; recorded with each case")
     try:
         args = p.parse_args(argv)
         names = _pick(args.layouts, [lay.name for lay in LAYOUTS], "layouts")
@@ -226,6 +234,11 @@ def main(argv: list[str] | None = None) -> int:
     if not args.resume:
         rows = []
         log.write_text("")
+    mixed = sorted({json.dumps(r.get("offload_config", {}), sort_keys=True) for r in rows}
+                   - {json.dumps(args.offload_config, sort_keys=True)})
+    if mixed:
+        return fail(p.prog, f"--resume: {log} holds cases run with --offload-config {mixed[0]}, not "
+                            f"{json.dumps(args.offload_config, sort_keys=True)}; use another --out")
     done = {(r["layout"], r["workload"]) for r in rows}
     todo = [(lay, w) for lay in LAYOUTS if lay.name in names for w in workloads if (lay.name, w) not in done]
     os.environ.setdefault("PYTHONPATH", f"{ROOT}{os.pathsep}{ROOT / 'benchmarks'}")
@@ -237,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
         except ImportError:
             bar = None
     for lay, w in todo:
-        rec = run_case(lay, w, args.out, args.timeout)
+        rec = run_case(lay, w, args.out, args.timeout, args.offload_config)
         rows.append(rec)
         with log.open("a") as fh:
             fh.write(json.dumps(rec) + "\n")
