@@ -171,7 +171,9 @@ def _weights_digest(model: Any) -> str:
 def kv_trace_problems(trace: dict[str, Any]) -> list[str]:
     """What an `OC_KV_TRACE` record says was written into KV from outside the forward that owns it, one line each:
     a block that changed while its request held it, one the forward read before its load landed (or that changed
-    during the forward), one changed between the forward that computed it and the next step."""
+    during the forward), one changed between the forward that computed it and the next step, and model weights or
+    buffers that changed between the first request and the end of the run (their digests stay in the record, so a
+    divergence between two engines can also compare their weights)."""
     problems = []
     weights = trace.get("weights") or []
     if len(set(weights)) > 1:
