@@ -55,6 +55,21 @@ def test_exact_ledger_properties(case):
     assert outcome.starved == []
 
 
+def test_a_request_capped_at_max_model_len_with_drafts_listed_past_its_rows_keeps_its_last_block() -> None:
+    """Found by the property test on vLLM 0.34 (CI, 2026-12-05): PP 2, n-gram with 7 drafts, a 1,340-token prompt
+    that runs into max_model_len. Its last batch was scheduled one row while vLLM still listed 7 drafts for it; the
+    simulation counted the batch's valid rows as rows minus drafts (negative), so it never tagged block 83, whose
+    KV the earlier batches had computed, and the finished request's store (and the load that later read it back)
+    carried nothing: a false mismatch. A batch's draft rows are at most its rows past the first."""
+    case = FuzzCase(groups=(("full", 16, 0),), max_num_batched_tokens=128, pool_factor=2.0,
+                    sessions=((40, 1, 0, 1), (216, 2, 0, 1), (60, 2, 0, 5), (1340, 5, 1344, 1)),
+                    reset_prefix_cache=False, return_gaps=(0, 0, 0, 0), latency_steps=1, seed=10,
+                    num_spec_tokens=7, spec_method="ngram", pipeline_parallel_size=2,
+                    resends=(False, False, False, False))
+    outcome = run_case(case)
+    assert outcome.mismatches == [] and outcome.stalls == 0 and outcome.undrained == 0
+
+
 def test_a_loaded_request_refused_by_vllms_own_inflight_reservation_is_not_a_connector_idle_step() -> None:
     """Found by the property test on vLLM 0.34: under PP 4 with GPU n-gram drafts, a request whose 16-token load
     landed waits with 12 blocks free while vLLM's own reservation for in-flight prefills refuses its next chunk and

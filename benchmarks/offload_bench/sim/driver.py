@@ -155,7 +155,10 @@ class SchedulerDriver(DraftCounts):
             if rid in live:
                 settled = max(0, req.num_computed_tokens - getattr(req, "num_in_flight_tokens", 0))
             else:
-                settled = self._settled.get(rid, 0) + out.num_scheduled_tokens[rid] - len(spec.get(rid, ()))
+                # Its rows past the first are drafts only as far as it had rows for them: near max_model_len vLLM
+                # schedules fewer rows than the drafts it lists.
+                n = out.num_scheduled_tokens[rid]
+                settled = self._settled.get(rid, 0) + n - min(len(spec.get(rid, ())), max(n - 1, 0))
             self._settled[rid] = settled
             keys = self.side.layout.keys(req)
             for g, mgr in zip(self.side.groups, managers):
