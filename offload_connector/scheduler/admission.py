@@ -90,13 +90,22 @@ class AdmissionControl:
         return ready
 
     def hit(self, request: Request, upper: int, local: int = 0, step: int = 0) -> int:
-        """The longest prefix up to `upper` tokens every group can restore from the tiers (`lookup`)."""
-        return self.lookup(request, upper, local, step).hit
+        """The longest prefix up to `upper` tokens every group can restore from the tiers, past the `local` tokens
+        vLLM already has (`_find`)."""
+        return self._find(request, upper, local, step)[0]
 
-    def lookup(self, request: Request, upper: int, local: int = 0, step: int = 0) -> OfferedLoad:
-        """The load of the longest prefix up to `upper` tokens every group can restore from the tiers, past the
-        `local` tokens vLLM already has. Notes a shared-prefix end found there without its window, so that store
-        planning keeps a window at it (`ReqState.junctions`).
+    def _offer(self, request: Request, local: int, hit: int,
+               blocks: list[tuple[int, int, BlockKey]] | None) -> OfferedLoad:
+        """The load of tokens `local`..`hit`, its blocks listed here unless the lookup already did."""
+        if blocks is None:
+            blocks = self.load_keys(request, local, hit) if hit > local else []
+        return OfferedLoad(local, hit, tuple(blocks))
+
+    def _find(self, request: Request, upper: int, local: int,
+              step: int) -> tuple[int, list[tuple[int, int, BlockKey]] | None]:
+        """The hit, and the load's blocks when finding it listed them (the second-tier room check). Notes a
+        shared-prefix end found there without its window, so that store planning keeps a window at it
+        (`ReqState.junctions`).
 
         With a second tier (disk, shared), a hit that needs more CPU-tier slots for read-backs than the CPU tier can
         free now is cut back to what the CPU tier holds alone."""
@@ -134,9 +143,7 @@ class AdmissionControl:
             # request sharing this prefix resumes there from the GPU prefix cache. Never lower vLLM's own.
             if self.mark_junctions and junction > getattr(request, "shared_prefix_boundary", junction):
                 request.shared_prefix_boundary = junction
-        if load is None:
-            load = self.load_keys(request, local, hit) if hit > local else []
-        return OfferedLoad(local, hit, tuple(load))
+        return hit, load
 
     def probe(self, request: Request) -> int:
         """The prefix this host's tiers (CPU, disk) could restore now, without any side effect: no shared-tier query,
@@ -174,8 +181,7 @@ class AdmissionControl:
         # Leave at least one prompt token to compute (the step that computes it produces the first output), or the
         # whole prompt where vLLM computes its last token again (`hit_upper`).
         upper = hit_upper(self.layout.groups, request.num_tokens, self.layout.alignment)
-        offer = self.lookup(request, upper, num_computed_tokens, step)
-        hit = offer.hit
+        hit, blocks = self._find(request, upper, num_computed_tokens, step)
         if hit - num_computed_tokens < self.config.min_load_tokens:
             state.deferred_since = None
             self.fair.clear(request.request_id)
@@ -186,6 +192,7 @@ class AdmissionControl:
         if not state.counted_hit:
             state.counted_hit = True
             self.counters.cpu_hit_tokens += hit - num_computed_tokens
+        offer = self._offer(request, num_computed_tokens, hit, blocks)
         if self.config.reservation == "vllm":
             state.offered_hit, state.offer = hit, offer
             if self.log is not None:  # the comparison shows what the exact ledger would have seen
