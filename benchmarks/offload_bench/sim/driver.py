@@ -28,6 +28,10 @@ class LoadContentError(AssertionError):
     pass
 
 
+class ImpossibleBatchError(AssertionError):
+    """The simulated engine led vLLM to schedule a batch no engine would: the simulation is wrong, not the connector."""
+
+
 @dataclass
 class StepRecord:
     step: int
@@ -207,6 +211,8 @@ class SchedulerDriver(DraftCounts):
             self.delayed_free.update(meta.delayed_free)
         if self._unlanded:
             self._check_ordered_loads(out)
+        if self.feeds_drafts:
+            self._check_drafts_follow_a_token(out)
         self._write_computed_tags(out)
         req_ids, sampled = self.drafts.sample(self.sched, out)
         # Whether a transfer was in flight during this step (measured before this step's completions land). A load
@@ -229,6 +235,18 @@ class SchedulerDriver(DraftCounts):
         if self.record:
             self.history.append(rec)
         return rec
+
+    def _check_drafts_follow_a_token(self, out: Any) -> None:
+        """In a synchronous engine drafts come from a landed batch's sampled token, and vLLM clears them when it
+        schedules them or preempts the request, so a batch with drafts starts at the request's last token, the one
+        without KV. A batch of drafts with no real token before them is a simulation artifact whose KV no check can
+        judge (it once read as a finished request's last block never computed)."""
+        for rid, drafts in (getattr(out, "scheduled_spec_decode_tokens", None) or {}).items():
+            req = self.sched.requests[rid]
+            start = req.num_computed_tokens - out.num_scheduled_tokens[rid]
+            if drafts and start != req.num_tokens - 1:
+                raise ImpossibleBatchError(f"{rid}: step {self.step_no} scheduled {len(drafts)} drafts from position "
+                                           f"{start} with {req.num_tokens} tokens: drafts follow the last token")
 
     def _check_ordered_loads(self, out: Any) -> None:
         """Loads reported before they landed: none may be read by this step's forward unless the worker ordered the
@@ -301,19 +319,25 @@ class SchedulerDriver(DraftCounts):
             ok -= copying
         self._verify_loaded(ok)
         if self.feeds_drafts and req_ids:
-            self._propose_drafts(req_ids)
+            self._propose_drafts(req_ids, sampled)
 
-    def _propose_drafts(self, req_ids: list[str]) -> None:
+    def _propose_drafts(self, req_ids: list[str], sampled: list[list[int]]) -> None:
         """What a synchronous EngineCore does after each step: hand the proposer's drafts to the scheduler.
 
         The n-gram proposer offers up to `num_speculative_tokens` drafts per request of the batch (none when it finds
-        no match); the scheduler ignores drafts for requests still in a prefill chunk. Every token is 7, like the
-        simulated model's samples, so accepted drafts leave the same history a plain decode would.
+        no match). It proposes from a request's sampled tokens, so a request whose batch sampled nothing (a prefill
+        chunk short of the prompt's end) gets none. The scheduler ignores drafts only for a request whose latest
+        scheduled chunk is short of the prompt's end: under pipeline parallelism the prompt's last chunk may already
+        be scheduled when the batch before it lands, and drafts handed over then would be scheduled as rows with no
+        real token before them, which no engine does. Every token is 7, like the simulated model's samples, so
+        accepted drafts leave the same history a plain decode would.
         """
         from vllm.v1.outputs import DraftTokenIds
 
         k = self.num_spec_tokens
-        drafts = [[7] * self.drafts.rng.choice((0, k, k, self.drafts.rng.randint(0, k))) for _ in req_ids]
+        # Drawn for every request either way: the stream, and every replay figure, stays as it was.
+        counts = [self.drafts.rng.choice((0, k, k, self.drafts.rng.randint(0, k))) for _ in req_ids]
+        drafts = [[7] * n if got else [] for n, got in zip(counts, sampled)]
         self.sched.update_draft_token_ids(DraftTokenIds(req_ids=list(req_ids), draft_token_ids=drafts))
 
     def run(self, max_steps: int = 100_000, stall_steps: int = 50,
