@@ -196,7 +196,10 @@ class OffloadConnector(KVConnectorBase_V1, SupportsHMA):
         return None  # stores are whole-block copies issued after the step, not per layer
 
     def wait_for_save(self) -> None:
-        return None
+        # Not a wait: stores run in the background. vLLM calls this after sampling when drafts are on, the first
+        # point where a recurrent state a decode step reached is in its boundary's block (TransferJob.after_sampling).
+        if self.worker_side is not None:
+            self.worker_side.after_sampling()
 
     def get_finished(self, finished_req_ids: set[str]) -> tuple[set[str] | None, set[str] | None]:
         assert self.worker_side is not None

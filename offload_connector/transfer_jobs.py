@@ -53,6 +53,9 @@ class TransferJob:
     reads: tuple[TierRead, ...] = ()
     # A load only: report it failed without copying (the scheduler could not give it every host slot it needed).
     fail_reason: str = ""
+    # A store only: issue it from vLLM's `wait_for_save`, which vLLM runs after sampling when drafts are on: it reads
+    # a recurrent state that vLLM copies into its boundary block only after sampling (`Layout.state_behind_drafts`).
+    after_sampling: bool = False
 
     def __post_init__(self) -> None:
         if len(self.group_gpu_blocks) != len(self.group_host_slots) or any(
@@ -61,7 +64,7 @@ class TransferJob:
         if len({r.tier for r in self.reads}) != len(self.reads):
             raise ValueError("a transfer job holds at most one read per second tier")
 
-    # `extra` is Any: the optional fields above (reads, fail_reason), each of its own type, for the constructor.
+    # `extra` is Any: the optional fields above (reads, fail_reason, after_sampling), each of its own type.
     @classmethod
     def from_columns(cls, job_id: int, request_id: str, num_groups: int, groups: Sequence[int],
                      gpu_blocks: Sequence[int], host_slots: Sequence[int], **extra: Any) -> "TransferJob":

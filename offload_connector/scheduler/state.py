@@ -35,6 +35,7 @@ class Layout:
     has_full: bool  # some group keeps every block (full attention, MLA)
     has_recycling: bool  # some group frees blocks behind a window or chunk
     reprefillable_tokens: int = 0  # trailing computed tokens whose KV may still change (compat.reprefillable_tokens)
+    pipeline_stages: int = 1
 
     @classmethod
     def from_vllm(cls, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> Layout:
@@ -54,6 +55,8 @@ class Layout:
             has_full=any(not g.recycling for g in groups),
             has_recycling=any(g.recycling for g in groups),
             reprefillable_tokens=reprefillable_tokens(vllm_config),
+            pipeline_stages=int(getattr(getattr(vllm_config, "parallel_config", None), "pipeline_parallel_size", 1)
+                                or 1),
         )
 
     @property
@@ -62,6 +65,15 @@ class Layout:
         with drafts writes a boundary's state into a speculative block, and vLLM copies the accepted one into the
         boundary's block only after sampling, later than the step's stores are issued."""
         return any(g.spec_blocks for g in self.groups)
+
+    @property
+    def decode_states_after_sampling(self) -> bool:
+        """Whether states past the prompt are stored next to speculative state blocks, by stores issued after vLLM's
+        copy (`TransferJob.after_sampling`). vLLM runs `wait_for_save` after sampling when drafts are on (0.32-0.34;
+        the V2 runner's `finalize_step`), behind the copy on the compute stream. Under pipeline parallelism each stage
+        copies its own layers' states once the last stage's sampled tokens reach it, an order not read here: no
+        state past the prompt is stored there."""
+        return self.state_behind_drafts and self.pipeline_stages == 1
 
     def keys(self, request: Request) -> BlockKeys:
         """The tier keys of `request`'s blocks, per group."""

@@ -84,6 +84,7 @@ class StorePlanner:
             state.full_stored[g.index] = max(state.full_stored[g.index], end)
 
         upto = done - done % layout.alignment
+        after_sampling = False
         points: list[int] = []
         spare_pts: list[int] = []
         if layout.has_recycling:
@@ -92,11 +93,17 @@ class StorePlanner:
                                   hit_upper(layout.groups, request.num_prompt_tokens, layout.alignment))
             if self.config.spare_windows:
                 spare_pts = spare_points(state.window_scanned, upto, layout.alignment, points)
-            if layout.state_behind_drafts:
-                # Only prefill forwards (no drafts scheduled yet) write a boundary's state into its own block before
-                # this step's stores read it; past the prompt the state would be the one before the drafts' copy.
-                points = [p for p in points if p <= request.num_prompt_tokens]
-                spare_pts = [p for p in spare_pts if p <= request.num_prompt_tokens]
+            if layout.state_behind_drafts and any(p > request.num_prompt_tokens for p in (*points, *spare_pts)):
+                # Only prefill forwards (no drafts scheduled yet) write a boundary's state into its own block; past the
+                # prompt a step with drafts leaves it in a speculative block, and vLLM copies the accepted one into
+                # the boundary's block after sampling. Every point this plan reaches has had that copy by the end of
+                # this step's sampling (a point is planned once its block's tokens are known: the step that computes
+                # its last token copies it), so the store is issued after sampling, or not at all.
+                if layout.decode_states_after_sampling:
+                    after_sampling = True
+                else:
+                    points = [p for p in points if p <= request.num_prompt_tokens]
+                    spare_pts = [p for p in spare_pts if p <= request.num_prompt_tokens]
         state.window_scanned = max(state.window_scanned, upto)
         regular = set(points)
         spare_keys: set[Hashable] = set()
@@ -152,7 +159,7 @@ class StorePlanner:
         sel = [i for i, k in enumerate(keylist) if k in reserved]
         job = TransferJob.from_columns(self.jobs.new_job_id(), request.request_id, len(layout.groups),
                                        [groups_[i] for i in sel], [gpu[i] for i in sel],
-                                       [reserved[keylist[i]] for i in sel])
+                                       [reserved[keylist[i]] for i in sel], after_sampling=after_sampling)
         events = None
         if self.events.enabled:
             events = self.events.describe_store(

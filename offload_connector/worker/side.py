@@ -99,6 +99,7 @@ class OffloadWorker:
         self._store_owner: dict[int, str] = {}  # pending store job -> request
         self._stores_of: dict[str, set[int]] = {}  # request -> its pending store jobs
         self._delayed: set[str] = set()  # finished requests whose blocks wait for their stores
+        self._after_sampling: list[TransferJob] = []  # this step's stores issued from wait_for_save
         self._finished_recving: set[str] = set()
         self._failed_recving: set[str] = set()
         self._stores_done: list[int] = []
@@ -173,6 +174,7 @@ class OffloadWorker:
     # -------------------------------------------------------------- per step
     def fence(self, meta: OffloadMetadata) -> None:
         """Before the forward pass: finish reading blocks this step's forward overwrites."""
+        self.after_sampling()  # the fences may name them; a step's sampling is over before the next one's fence
         if self.engine is not None and self._fenced_step != meta.step:
             if meta.store_fences:
                 self.engine.wait_for_jobs(meta.store_fences)
@@ -201,13 +203,24 @@ class OffloadWorker:
         for job in meta.stores:
             self._store_owner[job.job_id] = job.request_id
             self._stores_of.setdefault(job.request_id, set()).add(job.job_id)
-            self.engine.submit_store(job)
+            if job.after_sampling:
+                self._after_sampling.append(job)
+            else:
+                self.engine.submit_store(job)
         for job in meta.loads:
             if job.reads:
                 self._start_reads(job)  # copied to the GPU once its blocks are back in the CPU tier (land_reads)
             else:
                 self.engine.submit_load(job)
         self._delayed.update(meta.delayed_free)
+
+    def after_sampling(self) -> None:
+        """vLLM's `wait_for_save`: issue the stores that read what this step's sampling copied (see
+        `TransferJob.after_sampling`); the copy is on the compute stream, which the store waits for."""
+        jobs, self._after_sampling = self._after_sampling, []
+        if self.engine is not None:
+            for job in jobs:
+                self.engine.submit_store(job)
 
     def _collect(self) -> None:
         if self.engine is None:

@@ -155,12 +155,18 @@ def test_speculative_blocks_are_counted_in_every_load() -> None:
         assert any(run_case(case).mismatches for case in cases)
 
 
-def test_under_drafts_a_state_is_stored_only_where_a_prefill_forward_wrote_it() -> None:
-    """In a decode step with drafts the forward leaves a boundary's state in a speculative block and vLLM copies the
-    accepted one into the boundary's block after sampling, later than the step's stores read it. So under
-    speculative decoding no Mamba window past the prompt is handed to the tier; without that rule one is."""
+def _answer_case(method: str, pipeline_parallel_size: int = 1) -> FuzzCase:
+    """Two sessions whose answers cross a block boundary past their prompts (100 + 40 tokens: the state at 128; 64 +
+    30: at 80) and return with the answer kept, after a prefix-cache reset: a return resumes from an answer's state."""
+    return FuzzCase(groups=(("full", 16, 0), ("mamba", 16, 0)), max_num_batched_tokens=128, pool_factor=2.0,
+                    sessions=((100, 40, 140, 20), (64, 30, 94, 10)), reset_prefix_cache=True, return_gaps=(0, 0),
+                    latency_steps=1, seed=1, num_spec_tokens=3, spec_method=method,
+                    pipeline_parallel_size=pipeline_parallel_size)
+
+
+def _past_prompt_stores(mp: pytest.MonkeyPatch) -> list[tuple[str, int, int]]:
+    """Watch the store planner: (request, prompt, tokens handed over) for every Mamba state past a prompt."""
     from offload_connector.groups import GroupKind
-    from offload_connector.scheduler import state as state_mod
     from offload_connector.scheduler.stores import StorePlanner
 
     real_plan = StorePlanner.plan
@@ -175,9 +181,55 @@ def test_under_drafts_a_state_is_stored_only_where_a_prefill_forward_wrote_it() 
                 if handed > prompt:
                     past_prompt.append((state.request.request_id, prompt, handed))
 
-    cases = _spec_hybrid_cases(8)
+    mp.setattr(StorePlanner, "plan", watched)
+    return past_prompt
+
+
+@pytest.mark.parametrize("method", ["ngram", "ngram_gpu", "eagle", "draft_model"])
+def test_under_drafts_an_answers_state_is_stored_after_sampling_and_resumed_from(method: str) -> None:
+    """In a decode step with drafts the forward leaves a boundary's state in a speculative block and vLLM copies the
+    accepted one into the boundary's block after sampling; the store of such a point is issued from wait_for_save,
+    after the copy. The returns load past their prompts' last states (96 and 64 tokens: 160 at most without answers'
+    states; a synchronous engine reaches both answers', 128 + 80; under async scheduling a boundary's key exists a step
+    later, and where the accepted drafts went past it vLLM has freed its block by then), and every loaded state is the right one (the simulated worker tags the boundary's block only at the copy)."""
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(StorePlanner, "plan", watched)
+        past_prompt = _past_prompt_stores(mp)
+        out = run_case(_answer_case(method))
+    assert out.ok, out
+    assert out.loaded_tokens > 96 + 64
+    assert past_prompt
+    if method == "ngram":
+        assert out.loaded_tokens == 128 + 80
+        assert {"w0", "w1"} <= {rid for rid, _, _ in past_prompt}
+
+
+def test_a_state_store_issued_before_sampling_reads_the_block_before_the_copy() -> None:
+    """The same stores issued with the step's others (before sampling, as before wait_for_save carried them): under
+    a synchronous engine the point a step reaches is copied in that step, after its stores read the block, and the
+    return resumes from the state before the copy: the simulation catches it."""
+    from offload_connector.transfer_jobs import TransferJob
+
+    real = TransferJob.from_columns.__func__
+
+    def before_sampling(cls, *args, **kwargs):
+        kwargs.pop("after_sampling", None)
+        return real(cls, *args, **kwargs)
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(TransferJob, "from_columns", classmethod(before_sampling))
+        out = run_case(_answer_case("ngram"))
+    assert any("group 1" in m for m in out.mismatches), out
+
+
+def test_under_drafts_and_pipeline_parallelism_no_state_past_the_prompt_is_stored() -> None:
+    """Under PP each stage copies its own layers' states once the sampled tokens reach it, an order the connector
+    does not read: there a state is stored only where a prefill forward wrote it. Without that rule one is."""
+    from offload_connector.scheduler import state as state_mod
+
+    cases = [c for c in _spec_hybrid_cases(8) if c.pipeline_parallel_size > 1]
+    assert cases
+    with pytest.MonkeyPatch.context() as mp:
+        past_prompt = _past_prompt_stores(mp)
         for case in cases:
             assert run_case(case).ok
         assert past_prompt == []

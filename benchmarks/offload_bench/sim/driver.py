@@ -28,6 +28,31 @@ class LoadContentError(AssertionError):
     pass
 
 
+@dataclass(frozen=True, eq=False)
+class CopiedState:
+    """The tag of a recurrent state vLLM copied into its boundary's block after sampling, named before the block's
+    tokens are (the sampled ones are appended after the copy): it reads as that block's key of the request that
+    computed it once the request has hashed the block."""
+    keys: Any  # the writer's `BlockKeys`, over its growing list of block hashes
+    group: int
+    index: int
+
+    def resolve(self) -> Any:
+        try:
+            return self.keys(self.group, self.index)
+        except IndexError:
+            return ("unhashed-state", self.group, self.index)
+
+    def __eq__(self, other: object) -> bool:
+        return self.resolve() == (other.resolve() if isinstance(other, CopiedState) else other)
+
+    def __hash__(self) -> int:
+        return hash(self.resolve())
+
+    def __repr__(self) -> str:
+        return f"CopiedState({self.resolve()!r})"
+
+
 class ImpossibleBatchError(AssertionError):
     """The simulated engine led vLLM to schedule a batch no engine would: the simulation is wrong, not the connector."""
 
@@ -97,6 +122,8 @@ class SchedulerDriver(DraftCounts):
         self._tagged: dict[str, list[int]] = {}  # per request, per group: blocks [0, n) already tagged
         self._settled: dict[str, int] = {}  # per request: tokens whose KV applied batches have computed
         self._unlanded: dict[str, int] = {}  # reported loads whose copies had not landed: request -> hit
+        # This step's recurrent states vLLM copies after sampling: (request, group, its blocks then, first position).
+        self._state_copies: list[tuple[str, Any, tuple[int, ...], int]] = []
 
     # ------------------------------------------------------------------ helpers
     @property
@@ -111,8 +138,13 @@ class SchedulerDriver(DraftCounts):
             self.sched.add_request(r)
 
     def _write_computed_tags(self, out: Any) -> None:
+        """What this step's forward writes. A Mamba group's state at a boundary a prefill chunk ends on goes into
+        the boundary's block. In a step with drafts next to speculative state blocks, the forward writes the state
+        after each row into the columns from the running state block on, and vLLM copies the state of each boundary
+        the accepted tokens reach into that boundary's block after sampling (`_copy_accepted_states`)."""
         if self.engine is None or self.side is None:
             return
+        spec = getattr(out, "scheduled_spec_decode_tokens", None) or {}
         for rid, n in out.num_scheduled_tokens.items():
             req = self.sched.requests[rid]
             after = req.num_computed_tokens  # schedule() already advanced it
@@ -123,19 +155,46 @@ class SchedulerDriver(DraftCounts):
             marks = self._tagged.get(rid)
             if marks is None:  # blocks below the first scheduled token came from a prefix hit or a load
                 marks = self._tagged[rid] = [before // g.block_size for g in self.side.groups]
+            drafts = len(spec.get(rid, ()))
             for g, mgr in zip(self.side.groups, self.managers()):
                 blocks = mgr.req_to_blocks.get(rid, [])
                 last = min(min(after, keys.hashed_tokens()) // g.block_size, len(blocks))
-                for i in range(min(before // g.block_size, marks[g.index]), last):
+                copied = g.kind is GroupKind.MAMBA and drafts > 0 and g.spec_blocks > 0
+                direct = min(last, before // g.block_size) if copied else last
+                for i in range(min(before // g.block_size, marks[g.index]), direct):
                     if not blocks[i].is_null:
                         self.engine.gpu[blocks[i].block_id] = keys(g.index, i)
                 marks[g.index] = last
+                if copied:
+                    for j in range(drafts + 1):
+                        i = (after - 1) // g.block_size + j
+                        if i < len(blocks) and not blocks[i].is_null:
+                            self.engine.gpu[blocks[i].block_id] = ("mamba-draft", g.index, rid, before + j + 1)
+                    self._state_copies.append((rid, g, tuple(0 if b.is_null else b.block_id for b in blocks), before))
+                    continue
                 if g.kind is GroupKind.MAMBA and after % g.block_size and (after - 1) // g.block_size < len(blocks):
                     # The state after a chunk that ends inside a block is in that block until the request reaches
                     # the block's end: it is no block boundary's state, and no load may hand it out as one.
                     running = blocks[(after - 1) // g.block_size]
                     if not running.is_null:
                         self.engine.gpu[running.block_id] = ("mamba-partial", g.index, rid, after)
+
+    def _copy_accepted_states(self, req_ids: list[str], sampled: list[list[int]]) -> None:
+        """vLLM's state copy after sampling: for each boundary p with C < p <= C + a (C the position of the batch's
+        first row, a the tokens it sampled, the bonus one included) the state after p tokens goes into block
+        p / b - 1 of the request's table as the batch ran. Stores this step issued before sampling read the block
+        as it was before."""
+        copies, self._state_copies = self._state_copies, []
+        if not copies:
+            return
+        got = dict(zip(req_ids, sampled))
+        for rid, g, ids, first in copies:
+            keys = self.side.layout.keys(self.sched.requests[rid])
+            accepted = len(got.get(rid, ()))
+            for p in range(first + 1, first + accepted + 1):
+                i = p // g.block_size - 1
+                if p % g.block_size == 0 and i < len(ids) and ids[i]:
+                    self.engine.overwrite_after_reads(ids[i], CopiedState(keys, g.index, i))
 
     def _write_settled_tags(self, out: Any, reqs: dict[str, Any], live: set[str]) -> None:
         """Tag blocks whose KV an applied batch computed before their tokens were known.
@@ -207,7 +266,7 @@ class SchedulerDriver(DraftCounts):
             self.engine.expect(meta, self.step_no)
             self.worker.fence(meta)
             self.worker.start(meta)
-            self.engine.check_issued()
+            self.engine.check_issued(sampled=False)
             self.delayed_free.update(meta.delayed_free)
         if self._unlanded:
             self._check_ordered_loads(out)
@@ -215,6 +274,10 @@ class SchedulerDriver(DraftCounts):
             self._check_drafts_follow_a_token(out)
         self._write_computed_tags(out)
         req_ids, sampled = self.drafts.sample(self.sched, out)
+        self._copy_accepted_states(req_ids, sampled)
+        if self.worker is not None:
+            self.worker.after_sampling()  # vLLM's wait_for_save, after sampling when drafts are on
+            self.engine.check_issued()
         # Whether a transfer was in flight during this step (measured before this step's completions land). A load
         # whose completion vLLM was told about but has not processed (its queue scan broke before reaching it) is
         # not in flight, so a wedged scheduler reads as idle. Blocks of finished requests that wait only for their

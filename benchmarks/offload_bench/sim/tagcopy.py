@@ -78,6 +78,10 @@ class TagOp:
     # copy is still running until the simulation reaches `due` (query() is false until then).
     early: bool = False
     forward_ordered: bool = False  # a forward pass was ordered after it (the worker's host wait, before a forward)
+    step: int = 0  # the step that issued it
+    # A store's source blocks that a later write of the same step replaced after the copy had read them (vLLM's
+    # state copy after sampling): block -> the tag the copy read.
+    read_before: dict[int, Hashable] | None = None
 
 
 class TagCompletion(Completion):
@@ -196,17 +200,19 @@ class TagCopier(BlockCopier):
         # (the worker's `land_reads`): it is matched by its (slot, block) pairs then.
         now = [j for j in meta.loads if not j.reads]
         self._read_back.extend(j for j in meta.loads if j.reads)
-        self._expected = {"d2h": deque(meta.stores), "h2d": deque(now)}
+        # Stores marked `after_sampling` are issued from wait_for_save, after the step's other stores.
+        self._expected = {"d2h": deque(sorted(meta.stores, key=lambda j: j.after_sampling)), "h2d": deque(now)}
         if meta.store_fences:
             self.fenced += len(set(meta.store_fences))
 
-    def check_issued(self) -> None:
-        """After the worker's `start`: every job was issued, as the copy it stands for. The worker reports a copy that
-        raised as a failed job and serves on, so a copy this backend refused is raised here instead."""
+    def check_issued(self, sampled: bool = True) -> None:
+        """After the worker's `start` (`sampled` False: the stores it issues after sampling may wait) or its
+        `after_sampling`: every job was issued, as the copy it stands for. The worker reports a copy that raised as
+        a failed job and serves on, so a copy this backend refused is raised here instead."""
         refused, self._refused = self._refused, []
         if refused:
             raise AssertionError("; ".join(refused))
-        left = [j.job_id for q in self._expected.values() for j in q]
+        left = [j.job_id for q in self._expected.values() for j in q if sampled or not j.after_sampling]
         if left:
             raise AssertionError(f"the worker did not issue jobs {left} of step {self._step}")
 
@@ -238,7 +244,7 @@ class TagCopier(BlockCopier):
         failed = predicate is not None and bool(predicate(job))
         held = self.hold_loads if is_load else self.hold_stores
         due = HELD if held else self.timing.due(job, is_load, self._step, self.copy_floor)
-        op = TagOp(due, job, is_load, pairs, failed)
+        op = TagOp(due, job, is_load, pairs, failed, step=self._step)
         self.inflight.append(op)
         return TagCompletion(self, op)
 
@@ -269,6 +275,17 @@ class TagCopier(BlockCopier):
         if not op.landed and not op.is_load and op.captured is None:
             op.captured = [self.gpu.get(b) for _, b in op.pairs]
 
+    def overwrite_after_reads(self, block: int, tag: Hashable) -> None:
+        """A write to `block` later in this step than the stores this step has issued so far: they read the block
+        before it (a store issued after the forward and before vLLM's state copy)."""
+        for op in self.inflight:
+            if op.step == self._step and not op.is_load and not op.landed and op.captured is None:
+                if any(b == block for _, b in op.pairs):
+                    if op.read_before is None:
+                        op.read_before = {}
+                    op.read_before.setdefault(block, self.gpu.get(block))
+        self.gpu[block] = tag
+
     # ---------------------------------------------------------------- landing
     def advance(self, step: int) -> None:
         """Land every copy due by the simulation's time at `step` (the timing's `now`), in issue order."""
@@ -296,7 +313,8 @@ class TagCopier(BlockCopier):
                 self.gpu[block] = self.host.get(slot)
             self.loads_done += 1
         else:
-            data = op.captured or [self.gpu.get(b) for _, b in op.pairs]
+            before = op.read_before or {}
+            data = op.captured or [before[b] if b in before else self.gpu.get(b) for _, b in op.pairs]
             for tag, (slot, _) in zip(data, op.pairs):
                 self.host[slot] = tag
             self.stores_done += 1
