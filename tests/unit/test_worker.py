@@ -1,5 +1,7 @@
 """Worker side on CPU tensors laid out the way vLLM lays them out: stores, loads, completion reporting, failures."""
 
+import dataclasses
+
 import numpy as np
 import pytest
 import torch
@@ -154,6 +156,33 @@ def test_mamba_layers_copy_their_states_and_not_the_page_padding():
         assert not regions[layer, 9, states:].any()  # the padding is not copied
     assert not regions[:, [3, 5]].any()
     assert worker.take_stats().data["counters"][LOADED_BYTES] == PAGE + 2 * states
+
+
+def test_a_store_after_sampling_reads_the_block_as_wait_for_save_finds_it():
+    """A store marked `after_sampling` (a recurrent state vLLM copies into its block after sampling) is issued from
+    wait_for_save, not with the step's others: it copies what the block holds then. One left unissued (vLLM skipped
+    wait_for_save) goes out at the next step's fence, before the fence waits on anything."""
+    config, caches, regions = aliased_gemma_like()
+    worker = make_worker(config, caches, 64 * 2 * PAGE)
+    regular = job(1, "a", [(2, 5, 0)])
+    late = dataclasses.replace(job(2, "a", [(2, 6, 1)]), after_sampling=True)
+    worker.start(OffloadMetadata(step=1, stores=(regular, late)))
+    regions[:, 6] = 7  # the copy after sampling writes the block
+    after_copy = regions[:, 6].clone()
+    worker.after_sampling()
+    worker.transfer_results()
+    assert sorted(worker.worker_meta().stores_done) == [1, 2]
+    regions[:, 30:32] = 0
+    worker.start(OffloadMetadata(step=2, loads=(job(3, "b", [(2, 30, 0), (2, 31, 1)]),)))
+    worker.transfer_results()
+    assert torch.equal(regions[:, 31], after_copy)
+
+    held = dataclasses.replace(job(4, "c", [(2, 8, 2)]), after_sampling=True)
+    worker.start(OffloadMetadata(step=3, stores=(held,)))
+    assert worker.worker_meta() is None or 4 not in worker.worker_meta().stores_done
+    worker.fence(OffloadMetadata(step=4, store_fences=(4,)))
+    worker.transfer_results()
+    assert worker.worker_meta().stores_done == [4]
 
 
 def test_delayed_free_reported_once_the_requests_stores_finish():
