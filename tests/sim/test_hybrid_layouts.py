@@ -163,8 +163,8 @@ def test_hybrid_without_prefix_caching_is_refused_in_one_line() -> None:
 
 
 def test_hybrid_with_speculative_decoding_is_refused_in_one_line() -> None:
-    """The connector takes a hybrid under drafts; the replay simulates drafts only as DeepSeek V4's MTP, whose draft
-    layers' KV caches it knows (the fuzz's hand-built hybrids run with drafts)."""
+    """The connector takes a hybrid under drafts; the replay simulates drafts only as a model's MTP whose draft
+    layers' KV caches it knows (DeepSeek V4, Qwen3-Next, Qwen3.5), which Nemotron-H has none of."""
     refusal = "^NemotronHForCausalLM: speculative decoding is simulated only"
     with pytest.raises(L.UnsupportedModelError, match=refusal) as exc:
         L.build_vllm_config("nemotron-h-8b", max_model_len=8192, max_num_batched_tokens=1024, num_gpu_blocks=BLOCKS,
@@ -194,3 +194,47 @@ def test_qwen3_next_replays_through_the_connector(tmp_path: Path) -> None:
     block = _block(_expected("qwen3-next-80b"), L.requested_block_size())
     assert r["extra"]["groups"] == [f"g{i}:MambaSpec/{block}" for i in range(3)] + [f"g3:FullAttentionSpec/{block}"]
     assert r["tokens_loaded_from_cpu"] % block == 0  # Mamba states resume only at block boundaries
+
+
+needs_draft_specs = pytest.mark.skipif(not L.has_draft_spec_flag(), reason="MTP draft layers (is_draft) need vLLM 0.33")
+
+
+@needs_draft_specs
+@pytest.mark.parametrize("name", ["qwen3-next-80b", _param("qwen3.5-9b")])
+def test_mtp_on_a_hybrid_adds_speculative_state_blocks_and_a_draft_attention_layer(name: str) -> None:
+    """`--speculative-config '{"method": "mtp"}'` on Qwen3-Next / Qwen3.5: every Mamba layer keeps one speculative
+    state block per draft (vLLM's MambaSpec reads the speculative config), and the MTP module's full-attention layer
+    joins the full-attention group, which becomes the EAGLE group (its last block dropped from local hits)."""
+    vc = L.build_vllm_config(name, max_model_len=16384, max_num_batched_tokens=1024, num_gpu_blocks=BLOCKS,
+                             num_speculative_tokens=2)
+    sim = L.build_sim_model(name, vllm_config=vc, num_blocks=BLOCKS)
+    groups = sim.kv_cache_config.kv_cache_groups
+    mamba = [g for g in groups if type(g.kv_cache_spec).__name__ == "MambaSpec"]
+    full = [g for g in groups if type(g.kv_cache_spec).__name__ == "FullAttentionSpec"]
+    assert mamba and all(g.kv_cache_spec.num_speculative_blocks == 2 and not g.is_eagle_group for g in mamba)
+    assert len(full) == 1 and full[0].is_eagle_group and "mtp.layers.0.self_attn.attn" in full[0].layer_names
+    assert (vc.num_speculative_tokens, vc.num_lookahead_tokens) == (2, 2)
+    # Without drafts the same model keeps no speculative state block (the derived layout is cached per setting).
+    plain = L.build_vllm_config(name, max_model_len=16384, max_num_batched_tokens=1024, num_gpu_blocks=BLOCKS)
+    assert all(s.num_speculative_blocks == 0 for s in L.layer_specs(plain).values()
+               if type(s).__name__ == "MambaSpec")
+
+
+@needs_draft_specs
+def test_qwen3_next_replays_under_mtp_next_to_vllms_connector(tmp_path: Path) -> None:
+    """A returning workload on Qwen3-Next with 2 MTP drafts per step, our connector next to vLLM's: nothing stalls,
+    drafts are scheduled and partly accepted, the returns load from the CPU tier and every landed load holds the
+    stored states and blocks (answers' states included: they are stored after vLLM's post-sampling copy)."""
+    from offload_bench.cli import main
+
+    js = tmp_path / "out.json"
+    rc = main(["replay", "--model", "qwen3-next-80b", "--trace", "gemma4-31b-returning", "--limit", "16",
+               "--num-speculative-tokens", "2", "--connectors", "offload,vllm-offloading", "--no-progress",
+               "--json", str(js)])
+    assert rc == 0
+    res = {r["connector"]: r for r in json.loads(js.read_text())["results"]}
+    for r in res.values():
+        assert not r["stalled"] and r["requests_completed"] == r["requests_total"] == 16, r["connector"]
+    ours = res["offload"]
+    assert 0 < ours["extra"]["drafts_accepted"] < ours["extra"]["drafts_scheduled"]
+    assert ours["tokens_loaded_from_cpu"] > 0 and ours["extra"]["loads_content_checked"] >= 1

@@ -267,8 +267,8 @@ def test_pool_too_small_for_max_model_len_is_refused():
 
 
 def test_speculative_decoding_not_simulated():
-    """Only DeepSeek V4's MTP is simulated (its draft layers' caches are known: tests/sim/test_replay_pp_mtp.py)."""
-    with pytest.raises(L.UnsupportedModelError, match="simulated only as DeepSeek V4's MTP"):
+    """Only the MTP of DeepSeek V4, Qwen3-Next and Qwen3.5 is simulated (their draft layers' caches are known)."""
+    with pytest.raises(L.UnsupportedModelError, match="simulated only as the MTP of DeepSeek V4, Qwen3-Next or"):
         L.build_vllm_config(GEMMA, max_model_len=4096, max_num_batched_tokens=1024, num_gpu_blocks=512,
                             num_speculative_tokens=2)
 

@@ -83,7 +83,8 @@ MAX_STEPS = 2 * 10**6
 MAX_STALL_STEPS = 10**6
 MAX_PIPELINE_PARALLEL = 16  # batches in flight; each adds max_num_batched_tokens to every window's reservation
 MAX_SPEC_TOKENS = 8  # MTP drafts per step (vLLM runs the one MTP layer K times)
-SPEC_MODEL_TYPE = "deepseek_v4"  # speculative decoding is simulated as this model's MTP (sim.layouts.attach_mtp)
+# Speculative decoding is simulated as these models' MTP (sim.layouts.attach_mtp, MTP_MODEL_TYPES there).
+SPEC_MODEL_TYPES = {"deepseek_v4": "deepseek-v4-flash", "qwen3_next": "qwen3-next-80b", "qwen3_5": "qwen3.5-9b"}
 TIME_SCALE = (1e-6, 1e4)  # arrivals stay within ~10^12 simulated seconds, where a 1 ms step is still resolved
 BANDWIDTH_GBPS = (0.01, 1e5)
 STEP_OVERHEAD_MS = (1e-3, 1e5)
@@ -199,17 +200,18 @@ def _given_or(given: int | None, workload_default: int | None, default: int) -> 
 
 
 def check_speculative(model: str, k: int) -> None:
-    """Speculative decoding is simulated as DeepSeek V4's MTP only: refuse it for another bundled model before vLLM
-    is loaded (a custom config.json is checked by the preflight build, which reads its model_type)."""
+    """Speculative decoding is simulated as the MTP of DeepSeek V4, Qwen3-Next and Qwen3.5 only: refuse it for
+    another bundled model before vLLM is loaded (a custom config.json is checked by the preflight build, which reads
+    its model_type)."""
     if not k or "/" in model or not (_MODELS_DIR / model / "config.json").is_file():
         return
     try:
         model_type = json.loads((_MODELS_DIR / model / "config.json").read_text()).get("model_type")
     except (OSError, ValueError):
         return
-    if model_type != SPEC_MODEL_TYPE:
-        raise ArgError(f"--num-speculative-tokens {k}: speculative decoding is simulated only as DeepSeek V4's MTP "
-                       f"(--model deepseek-v4-flash), not for {model}")
+    if model_type not in SPEC_MODEL_TYPES:
+        raise ArgError(f"--num-speculative-tokens {k}: speculative decoding is simulated only as a model's MTP "
+                       f"(--model {', '.join(SPEC_MODEL_TYPES.values())}), not for {model}")
 
 
 def check_router(args: argparse.Namespace) -> None:
@@ -417,8 +419,9 @@ def add_parser(sub: Any) -> None:
                    help=f"1 to {MAX_PIPELINE_PARALLEL}: batches vLLM keeps in flight (the stages' layer split is not "
                         f"simulated; default: the workload's, else 1)")
     p.add_argument("--num-speculative-tokens", type=int_in(0, MAX_SPEC_TOKENS),
-                   help=f"0 to {MAX_SPEC_TOKENS}: speculative decoding as DeepSeek V4's MTP (deepseek-v4-flash only; "
-                        f"the MTP layer's KV cache is laid out, a seeded share of drafts is accepted; default: the "
+                   help=f"0 to {MAX_SPEC_TOKENS}: speculative decoding as the model's MTP (deepseek-v4-flash, "
+                        f"qwen3-next-80b, qwen3.5-9b or a config.json of their model types; the MTP layers' KV caches "
+                        f"are laid out, a seeded share of drafts is accepted; default: the "
                         f"workload's, else 0)")
     p.add_argument("--max-num-inflight-kv-loads", type=int_in(1, 4096),
                    help="1 to 4096: vLLM 0.34's cap on KV loads in flight, with which a load may start while the "

@@ -51,7 +51,7 @@ class EngineSettings:
     # pairs so the frozen settings stay hashable.
     offload_extra: tuple[tuple[str, Any], ...] = ()
     # Batches vLLM keeps in flight under pipeline parallelism (the stages' layer split is not simulated), and the MTP
-    # drafts per step (speculative decoding as DeepSeek V4's MTP: sim.layouts.attach_mtp; 0: off).
+    # drafts per step (speculative decoding as the model's MTP: sim.layouts.attach_mtp; 0: off).
     pipeline_parallel_size: int = 1
     num_speculative_tokens: int = 0
     # vLLM 0.34 with MTP: block hashes that also cover the drafter's next tokens, so no hit drops its last block

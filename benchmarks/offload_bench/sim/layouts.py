@@ -110,8 +110,8 @@ def build_vllm_config(
     """A VllmConfig as a CUDA deployment would have it, with the CPU platform's overrides undone.
 
     `num_speculative_tokens` > 0: the model's own multi-token-prediction drafter (`--speculative-config
-    '{"method": "mtp", ...}'`), for models whose MTP draft layers `mtp_draft_specs` knows (DeepSeek V4); any other
-    model raises UnsupportedModelError. `pipeline_parallel_size`: how many batches vLLM keeps in flight
+    '{"method": "mtp", ...}'`), for models whose MTP draft layers `mtp_draft_specs` knows (`MTP_MODEL_TYPES`); any
+    other model raises UnsupportedModelError. `pipeline_parallel_size`: how many batches vLLM keeps in flight
     (`max_concurrent_batches`, which the drivers' batch queue and the connector's in-flight bound read); the stages'
     split of the layers is not simulated (one worker holds every layer). `lookahead_block_hashes` False: the MTP
     config's `disable_lookahead_block_hashes` (vLLM 0.34; earlier releases have no lookahead hashes).
@@ -161,6 +161,12 @@ def _is_deepseek_v4(vc: VllmConfig) -> bool:
     return getattr(vc.model_config.hf_config, "model_type", None) == "deepseek_v4"
 
 
+# Models whose MTP drafter's KV caches `mtp_draft_specs` lays out: DeepSeek V4, and the gated-DeltaNet hybrids whose
+# MTP module is full-attention decoder layers (Qwen3-Next: `Qwen3NextMTP`, Qwen3.5: `Qwen3_5MTP`).
+MTP_MODEL_TYPES = ("deepseek_v4", "qwen3_next", "qwen3_5")
+_MTP_MODELS = "DeepSeek V4, Qwen3-Next or Qwen3.5"
+
+
 def attach_mtp(vc: VllmConfig, num_speculative_tokens: int, lookahead_block_hashes: bool = True) -> None:
     """The SpeculativeConfig `--speculative-config '{"method": "mtp", "num_speculative_tokens": K}'` gives: vLLM
     resolves the draft from the target's own config.json (DeepSeek V4: `DeepSeekV4MTPModel`, `n_predict` =
@@ -168,9 +174,9 @@ def attach_mtp(vc: VllmConfig, num_speculative_tokens: int, lookahead_block_hash
     (`num_speculative_tokens`, `num_lookahead_tokens` = K for MTP, EAGLE's last-block drop on the draft's groups)."""
     from vllm.config import SpeculativeConfig
 
-    if not _is_deepseek_v4(vc):
-        raise UnsupportedModelError(f"{_architecture(vc)}: speculative decoding is simulated only as DeepSeek V4's "
-                                    f"MTP (its draft layers' KV caches are known); not for this model")
+    if getattr(vc.model_config.hf_config, "model_type", None) not in MTP_MODEL_TYPES:
+        raise UnsupportedModelError(f"{_architecture(vc)}: speculative decoding is simulated only as the MTP of "
+                                    f"{_MTP_MODELS} (their draft layers' KV caches are known); not for this model")
     kw: dict[str, Any] = {}
     if "disable_lookahead_block_hashes" in getattr(SpeculativeConfig, "__dataclass_fields__", {}):
         kw["disable_lookahead_block_hashes"] = not lookahead_block_hashes
@@ -202,17 +208,24 @@ def mtp_draft_specs(vc: VllmConfig, target: dict[str, KVCacheSpec]) -> dict[str,
     import dataclasses
 
     spec_cfg = vc.speculative_config
-    if spec_cfg is None or spec_cfg.method != "mtp" or not _is_deepseek_v4(vc):
+    if spec_cfg is None or spec_cfg.method != "mtp":
         return {}
     hf = spec_cfg.draft_model_config.hf_config
-    first = hf.num_hidden_layers
-    n = int(getattr(hf, "n_predict", None) or getattr(hf, "num_nextn_predict_layers", 1) or 1)
-    swa = target["model.layers.0.attn.swa_cache"]
+    hf = getattr(hf, "text_config", None) or hf  # Qwen3.5 keeps its decoder's settings in text_config
+    n = int(getattr(hf, "n_predict", None) or getattr(hf, "num_nextn_predict_layers", None)
+            or getattr(hf, "mtp_num_hidden_layers", None) or 1)
     if not has_draft_spec_flag():
         import vllm
         raise UnsupportedModelError(f"vLLM {vllm.__version__}: its KV cache specs have no is_draft flag (vLLM 0.33 "
                                     f"added it for draft layers), so MTP's draft cache cannot be laid out as vLLM "
                                     f"0.33 does; speculative decoding replays need vllm==0.33.0")
+    if not _is_deepseek_v4(vc):
+        # Qwen3-Next / Qwen3.5: each MTP layer is a full-attention decoder layer of the target's shape (the MTP
+        # modules build it with `layer_type="full_attention"`), so it keeps the target's full-attention cache.
+        full = next(spec for spec in target.values() if type(spec).__name__ == "FullAttentionSpec")
+        return {f"mtp.layers.{i}.self_attn.attn": dataclasses.replace(full, is_draft=True) for i in range(n)}
+    swa = target["model.layers.0.attn.swa_cache"]
+    first = hf.num_hidden_layers
     return {f"model.layers.{i}.attn.swa_cache": dataclasses.replace(swa, is_draft=True)
             for i in range(first, first + n)}
 
@@ -481,9 +494,9 @@ def _derive(vc: VllmConfig) -> _Derived:
     cfg_file = Path(mc.model) / "config.json"
     key = (str(cfg_file.resolve()), cfg_file.read_bytes(), str(cc.cache_dtype), str(mc.dtype), mc.max_model_len,
            requested_block_size())
-    if hybrid:  # what the Mamba states and the checkpoint grid read
+    if hybrid:  # what the Mamba states and the checkpoint grid read (drafts add speculative state blocks)
         key += (str(cc.mamba_cache_dtype), str(cc.mamba_ssm_cache_dtype), getattr(cc, "prefix_match_unit", None),
-                str(vc.additional_config))
+                str(vc.additional_config), int(getattr(vc.speculative_config, "num_speculative_tokens", 0) or 0))
     if (hit := _derived_cache.get(key)) is not None:
         cc.block_size, cc.cache_dtype = hit.block_size, hit.cache_dtype
         if hybrid:

@@ -3,7 +3,7 @@
 The connector's store points and admission were first measured on three models. This generates layouts a new user
 would bring — sliding windows of 128 to 4,096 tokens, one to five windowed groups per full-attention group, chunked
 local attention, MLA, block sizes 16 to 128 (vLLM 0.34's default of 64 included), with and without speculative
-decoding (the replay simulates it as DeepSeek V4's MTP only) — as `config.json` files derived from bundled configs (`offload_bench/sim/models`), runs
+decoding (the replay simulates it as DeepSeek V4's MTP in this sweep) — as `config.json` files derived from bundled configs (`offload_bench/sim/models`), runs
 `offload-connector replay --connectors offload,vllm-offloading-patched` on each with every built-in workload and
 the Mooncake trace (one process per case, so a layout vLLM refuses is one line, not the end of the sweep), and
 reports per metric the worst case, not the mean:
@@ -69,7 +69,8 @@ LAYOUTS: tuple[Layout, ...] = (
     Layout("llama4-c8192-b16", "llama4", 8192, 3, 16), Layout("llama4-c2048-b64", "llama4", 2048, 3, 64),
     Layout("llama4-c8192-b128", "llama4", 8192, 3, 128),
     Layout("dsv4-b16", "deepseek-v4", 128, 1, 16), Layout("dsv4-b64", "deepseek-v4", 128, 1, 64),
-    # The replay simulates speculative decoding only as DeepSeek V4's MTP (its draft layers' KV caches are known).
+    # Speculative decoding in this sweep: DeepSeek V4's MTP (the replay simulates a model's MTP where its draft layers'
+    # KV caches are known: DeepSeek V4, Qwen3-Next, Qwen3.5).
     Layout("dsv4-b16-mtp2", "deepseek-v4", 128, 1, 16, 2), Layout("dsv4-b64-mtp1", "deepseek-v4", 128, 1, 64, 1),
 )
 
