@@ -398,7 +398,8 @@ class SchedulerDriver(DraftCounts):
         from vllm.v1.outputs import DraftTokenIds
 
         k = self.num_spec_tokens
-        # Drawn for every request either way: the stream, and every replay figure, stays as it was.
+        # Drawn for every request either way, so the stream stays as it was: only runs where a request got drafts
+        # with nothing sampled before them (pipeline parallelism) change.
         counts = [self.drafts.rng.choice((0, k, k, self.drafts.rng.randint(0, k))) for _ in req_ids]
         drafts = [[7] * n if got else [] for n, got in zip(counts, sampled)]
         self.sched.update_draft_token_ids(DraftTokenIds(req_ids=list(req_ids), draft_token_ids=drafts))
