@@ -26,6 +26,7 @@ import pytest
 from offload_bench.sim import layouts as L
 from tests.sim import test_layouts as TL
 from tests.sim.test_any_model import _NO_TORCHVISION
+from tests.sim.test_replay_pp_mtp import needs_033
 
 BLOCKS = 4096
 MAMBA, FULL = "MambaSpec", "FullAttentionSpec"
@@ -196,10 +197,7 @@ def test_qwen3_next_replays_through_the_connector(tmp_path: Path) -> None:
     assert r["tokens_loaded_from_cpu"] % block == 0  # Mamba states resume only at block boundaries
 
 
-needs_draft_specs = pytest.mark.skipif(not L.has_draft_spec_flag(), reason="MTP draft layers (is_draft) need vLLM 0.33")
-
-
-@needs_draft_specs
+@needs_033
 @pytest.mark.parametrize("name", ["qwen3-next-80b", _param("qwen3.5-9b")])
 def test_mtp_on_a_hybrid_adds_speculative_state_blocks_and_a_draft_attention_layer(name: str) -> None:
     """`--speculative-config '{"method": "mtp"}'` on Qwen3-Next / Qwen3.5: every Mamba layer keeps one speculative
@@ -220,7 +218,7 @@ def test_mtp_on_a_hybrid_adds_speculative_state_blocks_and_a_draft_attention_lay
                if type(s).__name__ == "MambaSpec")
 
 
-@needs_draft_specs
+@needs_033
 def test_qwen3_next_replays_under_mtp_next_to_vllms_connector(tmp_path: Path) -> None:
     """A returning workload on Qwen3-Next with 2 MTP drafts per step, our connector next to vLLM's: nothing stalls,
     drafts are scheduled and partly accepted, the returns load from the CPU tier and every landed load holds the

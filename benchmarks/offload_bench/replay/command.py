@@ -27,6 +27,7 @@ from typing import Any, Callable
 from offload_bench.args import (MAX_CPU_BYTES, ArgError, check_output_path, fail, float_in, int_in, parse_bytes,
                                 require_module, write_failed)
 from offload_bench.replay import CONNECTORS, MAX_ENGINES
+from offload_bench.sim.mtp_models import MTP_MODELS
 
 
 @dataclass(frozen=True)
@@ -83,8 +84,6 @@ MAX_STEPS = 2 * 10**6
 MAX_STALL_STEPS = 10**6
 MAX_PIPELINE_PARALLEL = 16  # batches in flight; each adds max_num_batched_tokens to every window's reservation
 MAX_SPEC_TOKENS = 8  # MTP drafts per step (vLLM runs the one MTP layer K times)
-# Speculative decoding is simulated as these models' MTP (sim.layouts.attach_mtp, MTP_MODEL_TYPES there).
-SPEC_MODEL_TYPES = {"deepseek_v4": "deepseek-v4-flash", "qwen3_next": "qwen3-next-80b", "qwen3_5": "qwen3.5-9b"}
 TIME_SCALE = (1e-6, 1e4)  # arrivals stay within ~10^12 simulated seconds, where a 1 ms step is still resolved
 BANDWIDTH_GBPS = (0.01, 1e5)
 STEP_OVERHEAD_MS = (1e-3, 1e5)
@@ -209,9 +208,9 @@ def check_speculative(model: str, k: int) -> None:
         model_type = json.loads((_MODELS_DIR / model / "config.json").read_text()).get("model_type")
     except (OSError, ValueError):
         return
-    if model_type not in SPEC_MODEL_TYPES:
+    if model_type not in MTP_MODELS:
         raise ArgError(f"--num-speculative-tokens {k}: speculative decoding is simulated only as a model's MTP "
-                       f"(--model {', '.join(SPEC_MODEL_TYPES.values())}), not for {model}")
+                       f"(--model {', '.join(MTP_MODELS.values())}), not for {model}")
 
 
 def check_router(args: argparse.Namespace) -> None:

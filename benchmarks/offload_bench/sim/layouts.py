@@ -48,6 +48,7 @@ from vllm.v1.core.single_type_kv_cache_manager import register_all_kvcache_specs
 from vllm.v1.kv_cache_interface import KVCacheConfig, KVCacheSpec  # noqa: E402
 from vllm.v1.structured_output import StructuredOutputManager  # noqa: E402
 from offload_connector.config import simulated_host  # noqa: E402
+from offload_bench.sim.mtp_models import MTP_MODELS  # noqa: E402
 from offload_bench.sim.vllm_compat import cpu_configs  # noqa: E402
 
 try:  # 0.33 moved the planner out of kv_cache_utils
@@ -110,7 +111,7 @@ def build_vllm_config(
     """A VllmConfig as a CUDA deployment would have it, with the CPU platform's overrides undone.
 
     `num_speculative_tokens` > 0: the model's own multi-token-prediction drafter (`--speculative-config
-    '{"method": "mtp", ...}'`), for models whose MTP draft layers `mtp_draft_specs` knows (`MTP_MODEL_TYPES`); any
+    '{"method": "mtp", ...}'`), for models whose MTP draft layers `mtp_draft_specs` knows (`MTP_MODELS`); any
     other model raises UnsupportedModelError. `pipeline_parallel_size`: how many batches vLLM keeps in flight
     (`max_concurrent_batches`, which the drivers' batch queue and the connector's in-flight bound read); the stages'
     split of the layers is not simulated (one worker holds every layer). `lookahead_block_hashes` False: the MTP
@@ -161,9 +162,8 @@ def _is_deepseek_v4(vc: VllmConfig) -> bool:
     return getattr(vc.model_config.hf_config, "model_type", None) == "deepseek_v4"
 
 
-# Models whose MTP drafter's KV caches `mtp_draft_specs` lays out: DeepSeek V4, and the gated-DeltaNet hybrids whose
-# MTP module is full-attention decoder layers (Qwen3-Next: `Qwen3NextMTP`, Qwen3.5: `Qwen3_5MTP`).
-MTP_MODEL_TYPES = ("deepseek_v4", "qwen3_next", "qwen3_5")
+# Models whose MTP drafter's KV caches `mtp_draft_specs` lays out (`sim.mtp_models.MTP_MODELS`): DeepSeek V4, and the
+# gated-DeltaNet hybrids whose MTP module is full-attention decoder layers (`Qwen3NextMTP`, `Qwen3_5MTP`).
 _MTP_MODELS = "DeepSeek V4, Qwen3-Next or Qwen3.5"
 
 
@@ -174,7 +174,7 @@ def attach_mtp(vc: VllmConfig, num_speculative_tokens: int, lookahead_block_hash
     (`num_speculative_tokens`, `num_lookahead_tokens` = K for MTP, EAGLE's last-block drop on the draft's groups)."""
     from vllm.config import SpeculativeConfig
 
-    if getattr(vc.model_config.hf_config, "model_type", None) not in MTP_MODEL_TYPES:
+    if getattr(vc.model_config.hf_config, "model_type", None) not in MTP_MODELS:
         raise UnsupportedModelError(f"{_architecture(vc)}: speculative decoding is simulated only as the MTP of "
                                     f"{_MTP_MODELS} (their draft layers' KV caches are known); not for this model")
     kw: dict[str, Any] = {}
