@@ -66,6 +66,7 @@ Deferral reasons (a closed set, so the `reason` label stays bounded; add a reaso
 | `too_big` | once per request | the request's blocks could not fit even in an idle pool; recomputed instead |
 | `aged_out` | once per request | deferred `max_deferral_steps`; the prefix is recomputed |
 | `held_for_older` | every step a request is held back | `admission_policy: "fair"`: the request (a load or not) arrived after a deferred load and taking its blocks now would leave that load without room; `(None, False)` |
+| `behind_load` | every step a request is held back | `admission_policy: "fair"`: the request has no load of its own, its prefill is longer than one step's token budget and an older request's load is in flight; started now, it would be scheduled before that request every step until its prefill ends; `(None, False)` |
 
 Tensor/pipeline parallelism: every rank copies its own shard, so every rank records bytes and time (bytes add up to
 the real traffic), while blocks are logical and only the primary rank records them (`count_blocks=
@@ -87,7 +88,7 @@ from typing import Literal, Mapping, Sequence
 from vllm.distributed.kv_transfer.kv_connector.v1.metrics import KVConnectorStats
 
 Direction = Literal["load", "store"]
-DEFERRAL_REASONS: tuple[str, ...] = ("pool_full", "too_big", "aged_out", "held_for_older", "not_started")
+DEFERRAL_REASONS: tuple[str, ...] = ("pool_full", "too_big", "aged_out", "held_for_older", "behind_load", "not_started")
 
 # Payload keys. Plain strings, numbers and lists only: the payload is msgpack-encoded on its way to the frontend
 # and must decode there as plain data, without this module's classes or custom hooks.

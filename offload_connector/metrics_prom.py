@@ -53,7 +53,9 @@ _DEFERRALS = ("deferrals_total", (
     "Load decisions other than admitting the full hit now, by reason: pool_full (held back this step, does not fit "
     "next to in-flight loads), too_big (recomputed: could not fit even in an idle pool), aged_out (deferred too "
     "long; the prefix is recomputed), held_for_older (admission_policy fair: held back this step so that an older "
-    "deferred load keeps its room)."))
+    "deferred load keeps its room), behind_load (admission_policy fair: a prefill longer than one step, with no "
+    "load of its own, held back while an older request's load is in flight, so that request keeps its place), "
+    "not_started (admitted, but vLLM did not start the load: its max_num_inflight_kv_loads cap)."))
 # (metric name, help), payload key prefix, reasons: one counter with a `reason` label each
 _LABELLED: tuple[tuple[tuple[str, str], str, tuple[str, ...]], ...] = ((_DEFERRALS, m.DEFERRAL_PREFIX,
                                                                         m.DEFERRAL_REASONS),)

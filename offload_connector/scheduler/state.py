@@ -36,6 +36,7 @@ class Layout:
     has_recycling: bool  # some group frees blocks behind a window or chunk
     reprefillable_tokens: int = 0  # trailing computed tokens whose KV may still change (compat.reprefillable_tokens)
     pipeline_stages: int = 1
+    step_tokens: int = 0  # vLLM's token budget per step (`max_num_batched_tokens`); 0: not known
 
     @classmethod
     def from_vllm(cls, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> Layout:
@@ -57,6 +58,7 @@ class Layout:
             reprefillable_tokens=reprefillable_tokens(vllm_config),
             pipeline_stages=int(getattr(getattr(vllm_config, "parallel_config", None), "pipeline_parallel_size", 1)
                                 or 1),
+            step_tokens=int(getattr(getattr(vllm_config, "scheduler_config", None), "max_num_batched_tokens", 0) or 0),
         )
 
     @property
@@ -164,6 +166,7 @@ class SchedulerCounters:
     deferrals: int = 0
     deferral_timeouts: int = 0
     held_for_older: int = 0  # steps a request waited behind an older deferred load (admission_policy "fair")
+    held_behind_load: int = 0  # steps a long prefill waited for an older request's load in flight ("fair")
     cpu_hit_tokens: int = 0  # tokens the tier could serve, counted once per request at its first lookup with a hit
     aged_out_tokens: int = 0  # of those, tokens given up after max_deferral_steps and recomputed
     too_big_tokens: int = 0  # of those, tokens recomputed because the request could not fit an idle pool

@@ -103,3 +103,53 @@ def test_fair_admission_under_vllms_cache_aware_reordering():
     assert f["drained"] and f["loaded"] and f["aged_out"] == 0
     assert f["held"] > 0
     assert f["first"] <= 2 * v_plain["first"] + 20, (f, v_plain)
+
+
+
+def _place_scene(policy: str | None) -> tuple[dict[str, int], object]:
+    """An older request ("old": a 2,048-token prefix in the CPU tier and 100 new tokens) and a newer one ("new": a
+    3,000-token prompt, six steps of prefill at 512 tokens a step) arrive together; loads take one step to land.
+    `policy` None: no connector (the prefix is recomputed)."""
+    from offload_bench.sim.custom import build_custom
+    from offload_bench.sim.driver import SchedulerDriver
+    from offload_bench.sim.requests import make_request, tokens
+    from offload_bench.sim.tagcopy import TagCopier
+    from offload_bench.sim.starved import _has_output
+
+    cfg = None if policy is None else connector_config("exact", 1 << 32, admission_policy=policy)
+    sched, hbs = build_custom((("full", 16, 0), ("sliding", 16, 128)), num_blocks=2000, max_num_batched_tokens=512,
+                              max_model_len=8192, kv_transfer_config=cfg)
+    drv = SchedulerDriver(sched, TagCopier(1) if cfg is not None else None)
+    prefix = tokens(1, 2048)
+    drv.add([make_request("warm", prefix, 1, hbs)])
+    assert not drv.run().stalled
+    sched.reset_prefix_cache()
+    drv.add([make_request("old", prefix + tokens(2, 100), 4, hbs), make_request("new", tokens(3, 3000), 4, hbs)])
+    start, first = drv.step_no, {}
+    while drv.busy() and drv.step_no < start + 500:
+        rec = drv.step()
+        assert not rec.idle_while_waiting
+        for rid in ("old", "new"):
+            if rid not in first and _has_output(drv, rid):
+                first[rid] = drv.step_no - start
+    assert not drv.busy() and drv.idle_invariant()
+    if cfg is None:
+        return first, None
+    assert any(a.request_id == "old" and a.free_after is not None for a in drv.side.admissions)  # it loaded
+    return first, drv.side.counters
+
+
+def test_a_load_keeps_its_place_before_a_newer_long_prefill():
+    """vLLM schedules running requests first: a newer request that starts a multi-step prefill while an older one's
+    load is in flight takes the budget before it every step until that prefill ends. Under fair admission the newer
+    one waits for the load (`behind_load`): the older request's first token comes first, as without a connector, and
+    the newer one's no later than without a connector."""
+    greedy, _ = _place_scene("greedy")
+    fair, counters = _place_scene("fair")
+    plain, _ = _place_scene(None)
+    assert plain["old"] < plain["new"]  # first come, first served
+    assert greedy["old"] > greedy["new"]  # greedy: the load cost "old" the whole of "new"'s prefill
+    assert 0 < counters.held_behind_load <= 3  # held while the load was in flight, no longer
+    assert fair["old"] < fair["new"]
+    assert fair["old"] < plain["old"] and fair["old"] + 3 <= greedy["old"]
+    assert fair["new"] <= plain["new"]

@@ -243,6 +243,7 @@ def _finish(column: str, engines: list[RouterEngine], pool: SimPool | None, tota
         "aged_out_tokens": sum(x.counters.aged_out_tokens for x in sides),
         "too_big_tokens": sum(x.counters.too_big_tokens for x in sides),
         "held_for_older": sum(x.counters.held_for_older for x in sides),
+        "held_behind_load": sum(x.counters.held_behind_load for x in sides),
         "batches_in_flight": int(getattr(engines[0].eng.driver, "batch_depth", 1)),
         **_admission_check(sides),
     }

@@ -188,7 +188,8 @@ def _load_outcomes(eng: ReplayEngine) -> dict[str, int]:
         return {}
     c = side.counters
     return {"cpu_hit_tokens": c.cpu_hit_tokens, "aged_out_tokens": c.aged_out_tokens,
-            "too_big_tokens": c.too_big_tokens, "held_for_older": c.held_for_older}
+            "too_big_tokens": c.too_big_tokens, "held_for_older": c.held_for_older,
+            "held_behind_load": c.held_behind_load}
 
 
 def run_replay(workload: Workload, cfg: ReplayConfig, progress: Progress | None = None) -> ReplayOutput:

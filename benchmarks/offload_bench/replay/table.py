@@ -49,6 +49,7 @@ ROWS: list[tuple[str, Callable[[ConnectorResult], Any], Callable[[Any], str]]] =
     ("GPU pool util p95", lambda r: r.gpu_pool_util_p95, _pct),
     ("admission deferrals", lambda r: r.admission_deferrals, _f(",")),
     ("  of which held for an older load", lambda r: r.extra.get("held_for_older"), _f(",")),
+    ("  of which held behind a load in flight", lambda r: r.extra.get("held_behind_load"), _f(",")),
     ("CPU-hit tokens at first lookup", lambda r: r.extra.get("cpu_hit_tokens"), _f(",")),
     ("  aged out (recomputed)", lambda r: _share(r.extra.get("aged_out_tokens"), r.extra.get("cpu_hit_tokens")), str),
     ("  too big for the pool (recomputed)", lambda r: _share(r.extra.get("too_big_tokens"),

@@ -244,8 +244,8 @@ def run_case(case: FuzzCase, max_steps: int = 20_000) -> FuzzOutcome:
 
     def step() -> None:
         c = drv.side.counters
-        held_before = c.deferrals + c.held_for_older + c.not_started
-        waited_before = c.held_for_older + c.not_started
+        held_before = c.deferrals + c.held_for_older + c.held_behind_load + c.not_started
+        waited_before = c.held_for_older + c.held_behind_load + c.not_started
         rec = drv.step()
         waits.observe(drv)
         if not rec.idle_while_waiting:
@@ -267,10 +267,10 @@ def run_case(case: FuzzCase, max_steps: int = 20_000) -> FuzzOutcome:
         # anything, so because its own exact need through its prompt did not fit the free pool. That is vLLM's own
         # full-sequence gate, counted exactly: vLLM let the request through on its arithmetic, which undercounts
         # Mamba state under PP (a state block per batch in flight); started, it would have had to be preempted.
-        held = c.deferrals + c.held_for_older + c.not_started > held_before
+        held = c.deferrals + c.held_for_older + c.held_behind_load + c.not_started > held_before
         runnable = startable_waiting_ids(sched)
         if runnable and held:
-            own_need = c.held_for_older + c.not_started == waited_before and drv.side.snapshot().reserved_blocks == 0
+            own_need = c.held_for_older + c.held_behind_load + c.not_started == waited_before and drv.side.snapshot().reserved_blocks == 0
             if own_need:
                 outcome.idle_exact_holds += 1
             else:
