@@ -37,6 +37,7 @@ class Layout:
     reprefillable_tokens: int = 0  # trailing computed tokens whose KV may still change (compat.reprefillable_tokens)
     pipeline_stages: int = 1
     step_tokens: int = 0  # vLLM's token budget per step (`max_num_batched_tokens`); 0: not known
+    batches_in_flight: int = 1  # batches vLLM schedules ahead of their outputs (async scheduling, PP)
 
     @classmethod
     def from_vllm(cls, vllm_config: VllmConfig, kv_cache_config: KVCacheConfig) -> Layout:
@@ -59,6 +60,7 @@ class Layout:
             pipeline_stages=int(getattr(getattr(vllm_config, "parallel_config", None), "pipeline_parallel_size", 1)
                                 or 1),
             step_tokens=int(getattr(getattr(vllm_config, "scheduler_config", None), "max_num_batched_tokens", 0) or 0),
+            batches_in_flight=_batches_in_flight(vllm_config),
         )
 
     @property
@@ -130,6 +132,7 @@ class ReqState:
     # The step of an admission vLLM has not started yet (no update_state_after_alloc followed). Still set at the
     # next lookup means vLLM held the load back (0.34's --max-num-inflight-kv-loads, or its own allocation).
     admitted_step: int | None = None
+    load_step: int | None = None  # the step its last load was admitted at (kept while the load is in flight)
     # The last load's tokens by the tier that held them ("host", "disk", "shared"), for vLLM's hit-source metrics.
     hit_sources: dict[str, int] = field(default_factory=dict)
     counted_hit: bool = False  # its CPU hit is in counters.cpu_hit_tokens
