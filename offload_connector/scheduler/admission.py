@@ -333,9 +333,8 @@ class AdmissionControl:
         The hold lasts at most a load's round trip: the step it was admitted and the batches in flight after it, when
         a load that lands in its own step is reported and its request can run. A load still in flight after that (a
         read-back from disk or the shared store, a slow copy, one held by a test) holds nobody: holding behind it
-        would idle the queue for as long as it takes, where the older request computing its prefix itself would
-        have let the newer ones share the budget sooner. So it cannot stall, and it delays a newer request by a few
-        steps at most."""
+        would idle the queue for as long as that load takes. So it cannot stall, and it delays a newer request by a
+        few steps at most."""
         if (not self.jobs.loads or not self.layout.step_tokens or hit > local
                 or request.num_tokens - local <= self.layout.step_tokens):
             return False

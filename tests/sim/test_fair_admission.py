@@ -105,7 +105,6 @@ def test_fair_admission_under_vllms_cache_aware_reordering():
     assert f["first"] <= 2 * v_plain["first"] + 20, (f, v_plain)
 
 
-
 def _place_scene(policy: str | None) -> tuple[dict[str, int], object]:
     """An older request ("old": a 2,048-token prefix in the CPU tier and 100 new tokens) and a newer one ("new": a
     3,000-token prompt, six steps of prefill at 512 tokens a step) arrive together; loads take one step to land.

@@ -270,7 +270,8 @@ def run_case(case: FuzzCase, max_steps: int = 20_000) -> FuzzOutcome:
         held = c.deferrals + c.held_for_older + c.held_behind_load + c.not_started > held_before
         runnable = startable_waiting_ids(sched)
         if runnable and held:
-            own_need = c.held_for_older + c.held_behind_load + c.not_started == waited_before and drv.side.snapshot().reserved_blocks == 0
+            own_need = (c.held_for_older + c.held_behind_load + c.not_started == waited_before
+                        and drv.side.snapshot().reserved_blocks == 0)
             if own_need:
                 outcome.idle_exact_holds += 1
             else:
