@@ -116,6 +116,9 @@ class ReqState:
     window_next: list[int] = field(default_factory=list)  # per group: window blocks below this were handed over
     # per group: window blocks below this were handed over as spare entries (`spare_windows`); absent: 0
     spare_next: dict[int, int] = field(default_factory=dict)
+    # (group, column) of Mamba blocks that hold another position's state than their boundary's: a prefill checkpoint
+    # block whose checkpoint is not its column's end. Never stored as that boundary's state.
+    foreign_states: set[tuple[int, int]] = field(default_factory=set)
     deferred_since: int | None = None
     no_load: bool = False  # gave up loading (aged deferral); recompute instead
     # Its load failed: skip its next lookup once (see `Admission.match`), so that vLLM moves it out of the queue of

@@ -83,6 +83,8 @@ class StorePlanner:
                 positions.append((i + 1) * g.block_size)
             state.full_stored[g.index] = max(state.full_stored[g.index], end)
 
+        if block_ids is None:
+            self._note_checkpoints(state)
         upto = done - done % layout.alignment
         after_sampling = False
         points: list[int] = []
@@ -126,8 +128,11 @@ class StorePlanner:
                 if is_spare:
                     handed = max(handed, state.spare_next.get(g.index, 0))
                 new = range(max(rng.start, handed), rng.stop)
-                if ids is None or len(ids) < rng.stop or any(ids[i] == 0 for i in new):
-                    window = []  # part of this window already left the GPU: the point is not restorable
+                if ids is None or len(ids) < rng.stop or any(ids[i] == 0 or (g.index, i) in state.foreign_states
+                                                             for i in new):
+                    # Part of this window already left the GPU, or a Mamba block there holds another position's
+                    # state: the point is not restorable.
+                    window = []
                     break
                 window.extend((g.index, ids[i], keys(g.index, i), (i + 1) * g.block_size, is_spare) for i in new)
                 ends.append((g.index, rng.stop, is_spare))
@@ -168,3 +173,23 @@ class StorePlanner:
         state.pending_stores.add(job.job_id)
         self.counters.stores += 1
         self.counters.stored_blocks += job.num_blocks
+
+    def _note_checkpoints(self, state: ReqState) -> None:
+        """Remember the Mamba blocks this step's chunk fills with another position's state.
+
+        A layer that exports prefill checkpoints (Mamba-2; gated DeltaNet on FlashInfer) writes, in a chunk vLLM
+        gives a checkpoint, the state after vLLM's checkpoint position into the block at column `cdiv(end, b) - 2`,
+        the block of boundary `(column + 1) * b`. The position is a multiple of the cache-hit alignment: with
+        fine-grained hash hits it can lie past that boundary, and under EAGLE/MTP's block drop one hash block
+        before it. vLLM re-keys the block at its position; stored under its column's key, a later load would
+        resume from another position's state. The Mamba manager records the checkpoint of the chunk it allocated
+        this step (`_checkpoints`, vLLM 0.32-0.34); this runs in that step, before the chunk's points are planned.
+        """
+        assert self.kv is not None, "bind_kv_cache_manager was not called"
+        rid = state.request.request_id
+        for g in self.layout.groups:
+            if g.kind is not GroupKind.MAMBA:
+                continue
+            checkpoint = getattr(self.kv.managers[g.index], "_checkpoints", {}).get(rid)
+            if checkpoint is not None and checkpoint[0] != (checkpoint[1] + 1) * g.block_size:
+                state.foreign_states.add((g.index, checkpoint[1]))

@@ -262,3 +262,45 @@ def test_a_request_vllm_only_sized_reserves_nothing() -> None:
                     num_spec_tokens=4, spec_method="ngram_gpu", pipeline_parallel_size=1)
     out = run_case(case)
     assert out.ok and out.stalls == 0 and out.admissions >= 3, out
+
+
+# Drawn by the fuzz's own stream (seed 26) once the simulation put a prefill checkpoint's state where vLLM's kernels
+# write it (`driver._write_checkpoint_tag`): a Mamba group with checkpoint blocks next to sliding windows, full
+# attention and MLA in 64-token blocks, one EAGLE draft, PP 2.
+EAGLE_CHECKPOINT_CASE = FuzzCase(
+    groups=(("sliding", 64, 512), ("sliding", 64, 257), ("full", 64, 0), ("mamba", 64, 1), ("mla", 64, 0)),
+    max_num_batched_tokens=256, pool_factor=1.0752953083591805,
+    sessions=((745, 6, 738, 365), (336, 1, 186, 100), (1159, 6, 26, 85), (818, 3, 657, 1072)),
+    reset_prefix_cache=True, return_gaps=(0, 0, 0, 3), latency_steps=2, seed=1038142058, num_spec_tokens=1,
+    spec_method="eagle", pipeline_parallel_size=2, resends=(False, False, False, False))
+
+
+def test_a_prefill_checkpoint_block_is_never_stored_as_another_boundarys_state() -> None:
+    """A chunk with an internal checkpoint writes the state after vLLM's checkpoint position into the block of
+    column `cdiv(end, b) - 2`. Under EAGLE's block drop (vLLM 0.32 and 0.33) the position is one hash block before
+    that column's end: here block 10 (boundary 704) holds the state after 640 tokens. Stored under block 10's key,
+    a later request resumed from it; the connector now notes such blocks and never stores them. On 0.34 (lookahead
+    hashes, no block drop) every checkpoint of this case is its column's own boundary."""
+    from offload_connector.compat import vllm_release
+    from offload_connector.scheduler.stores import StorePlanner
+
+    real = StorePlanner._note_checkpoints
+    noted: list[int] = []
+
+    def spy(self, state) -> None:
+        real(self, state)
+        noted.append(len(state.foreign_states))
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(StorePlanner, "_note_checkpoints", spy)
+        out = run_case(EAGLE_CHECKPOINT_CASE)
+    assert out.ok, out
+    assert out.loaded_tokens > 0
+    foreign = max(noted, default=0)
+    if vllm_release() in ("0.32", "0.33"):
+        assert foreign > 0
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(StorePlanner, "_note_checkpoints", lambda self, state: None)
+        unfixed = run_case(EAGLE_CHECKPOINT_CASE)
+    checkpoint_loads = [m for m in unfixed.mismatches if "mamba-checkpoint" in m]
+    assert bool(checkpoint_loads) == (foreign > 0), unfixed.mismatches

@@ -165,6 +165,8 @@ class SchedulerDriver(DraftCounts):
                     if not blocks[i].is_null:
                         self.engine.gpu[blocks[i].block_id] = keys(g.index, i)
                 marks[g.index] = last
+                if g.kind is GroupKind.MAMBA:
+                    self._write_checkpoint_tag(rid, g, mgr, blocks, keys)
                 if copied:
                     for j in range(drafts + 1):
                         i = (after - 1) // g.block_size + j
@@ -178,6 +180,22 @@ class SchedulerDriver(DraftCounts):
                     running = blocks[(after - 1) // g.block_size]
                     if not running.is_null:
                         self.engine.gpu[running.block_id] = ("mamba-partial", g.index, rid, after)
+
+    def _write_checkpoint_tag(self, rid: str, g: Any, mgr: Any, blocks: list[Any], keys: Any) -> None:
+        """A prefill chunk with an internal checkpoint (a layer that exports one, K = 1) writes the state after vLLM's
+        checkpoint position into the block at column `cdiv(end, b) - 2`, whatever boundary that column stands for:
+        the position is a multiple of the cache-hit alignment (the hash block under fine-grained hits, or one block
+        before the end under EAGLE's block drop), not of the Mamba block. The manager records it for the chunk it
+        allocated this step (`MambaManager._checkpoints`); the block holds that boundary's state only when the
+        position is the column's end."""
+        checkpoint = getattr(mgr, "_checkpoints", {}).get(rid)
+        if checkpoint is None:
+            return
+        position, col = checkpoint
+        if 0 <= col < len(blocks) and not blocks[col].is_null:
+            exact = position == (col + 1) * g.block_size
+            self.engine.gpu[blocks[col].block_id] = (keys(g.index, col) if exact
+                                                     else ("mamba-checkpoint", g.index, rid, position))
 
     def _copy_accepted_states(self, req_ids: list[str], sampled: list[list[int]]) -> None:
         """vLLM's state copy after sampling: for each boundary p with C < p <= C + a (C the position of the batch's
