@@ -128,13 +128,15 @@ class StorePlanner:
                 if is_spare:
                     handed = max(handed, state.spare_next.get(g.index, 0))
                 new = range(max(rng.start, handed), rng.stop)
-                if ids is None or len(ids) < rng.stop or any(ids[i] == 0 or (g.index, i) in state.foreign_states
-                                                             for i in new):
+                held = (None if ids is None or len(ids) < rng.stop
+                        else [_state_block(state, g.index, ids, i) for i in new])
+                if held is None or 0 in held:
                     # Part of this window already left the GPU, or a Mamba block there holds another position's
                     # state: the point is not restorable.
                     window = []
                     break
-                window.extend((g.index, ids[i], keys(g.index, i), (i + 1) * g.block_size, is_spare) for i in new)
+                window.extend((g.index, bid, keys(g.index, i), (i + 1) * g.block_size, is_spare)
+                              for i, bid in zip(new, held))
                 ends.append((g.index, rng.stop, is_spare))
             else:
                 for gi, stop, is_spare in ends:
@@ -191,5 +193,20 @@ class StorePlanner:
             if g.kind is not GroupKind.MAMBA:
                 continue
             checkpoint = getattr(self.kv.managers[g.index], "_checkpoints", {}).get(rid)
-            if checkpoint is not None and checkpoint[0] != (checkpoint[1] + 1) * g.block_size:
-                state.foreign_states.add((g.index, checkpoint[1]))
+            if checkpoint is None:
+                continue
+            position, col = checkpoint
+            if position != (col + 1) * g.block_size:
+                state.foreign_states.add((g.index, col))
+                if position % g.block_size == 0:
+                    # The state after `position` tokens is that boundary's own: vLLM keys the block there too.
+                    state.checkpoint_states[(g.index, position // g.block_size - 1)] = col
+
+
+def _state_block(state: ReqState, group: int, ids: list[int], i: int) -> int:
+    """The GPU block holding block `i`'s KV or, for a Mamba group, the state after `(i + 1) * b` tokens; 0 if none
+    does: its own block when it is real and holds no other position's state, else a checkpoint block that holds it."""
+    if ids[i] and (group, i) not in state.foreign_states:
+        return ids[i]
+    col = state.checkpoint_states.get((group, i))
+    return ids[col] if col is not None and col < len(ids) and ids[col] else 0

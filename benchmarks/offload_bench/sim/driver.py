@@ -193,8 +193,9 @@ class SchedulerDriver(DraftCounts):
             return
         position, col = checkpoint
         if 0 <= col < len(blocks) and not blocks[col].is_null:
-            exact = position == (col + 1) * g.block_size
-            self.engine.gpu[blocks[col].block_id] = (keys(g.index, col) if exact
+            # The state after a boundary's tokens is that boundary's state, whichever column holds it.
+            boundary = position % g.block_size == 0 and position > 0
+            self.engine.gpu[blocks[col].block_id] = (keys(g.index, position // g.block_size - 1) if boundary
                                                      else ("mamba-checkpoint", g.index, rid, position))
 
     def _copy_accepted_states(self, req_ids: list[str], sampled: list[list[int]]) -> None:
