@@ -119,9 +119,6 @@ class ReqState:
     # (group, column) of Mamba blocks that hold another position's state than their boundary's: a prefill checkpoint
     # block whose checkpoint is not its column's end. Never stored as that boundary's state.
     foreign_states: set[tuple[int, int]] = field(default_factory=set)
-    # (group, boundary index) -> the column whose checkpoint block holds that boundary's state (a checkpoint at a block
-    # boundary other than its column's, as under EAGLE's block drop): stored under the boundary's key.
-    checkpoint_states: dict[tuple[int, int], int] = field(default_factory=dict)
     deferred_since: int | None = None
     no_load: bool = False  # gave up loading (aged deferral); recompute instead
     # Its load failed: skip its next lookup once (see `Admission.match`), so that vLLM moves it out of the queue of

@@ -83,8 +83,8 @@ class StorePlanner:
                 positions.append((i + 1) * g.block_size)
             state.full_stored[g.index] = max(state.full_stored[g.index], end)
 
-        if block_ids is None:
-            self._note_checkpoints(state)
+        # This step's chunk only: the blocks of a later step (or of the table after a preemption) are other blocks.
+        checkpoint_cols = self._note_checkpoints(state) if block_ids is None else {}
         upto = done - done % layout.alignment
         after_sampling = False
         points: list[int] = []
@@ -129,7 +129,7 @@ class StorePlanner:
                     handed = max(handed, state.spare_next.get(g.index, 0))
                 new = range(max(rng.start, handed), rng.stop)
                 held = (None if ids is None or len(ids) < rng.stop
-                        else [_state_block(state, g.index, ids, i) for i in new])
+                        else [_state_block(state, checkpoint_cols, g.index, ids, i) for i in new])
                 if held is None or 0 in held:
                     # Part of this window already left the GPU, or a Mamba block there holds another position's
                     # state: the point is not restorable.
@@ -176,8 +176,9 @@ class StorePlanner:
         self.counters.stores += 1
         self.counters.stored_blocks += job.num_blocks
 
-    def _note_checkpoints(self, state: ReqState) -> None:
-        """Remember the Mamba blocks this step's chunk fills with another position's state.
+    def _note_checkpoints(self, state: ReqState) -> dict[tuple[int, int], int]:
+        """Remember the Mamba blocks this step's chunk fills with another position's state; return, per (group,
+        boundary index), the column whose checkpoint holds that boundary's state this step.
 
         A layer that exports prefill checkpoints (Mamba-2; gated DeltaNet on FlashInfer) writes, in a chunk vLLM
         gives a checkpoint, the state after vLLM's checkpoint position into the block at column `cdiv(end, b) - 2`,
@@ -189,6 +190,7 @@ class StorePlanner:
         """
         assert self.kv is not None, "bind_kv_cache_manager was not called"
         rid = state.request.request_id
+        cols: dict[tuple[int, int], int] = {}
         for g in self.layout.groups:
             if g.kind is not GroupKind.MAMBA:
                 continue
@@ -200,13 +202,16 @@ class StorePlanner:
                 state.foreign_states.add((g.index, col))
                 if position % g.block_size == 0:
                     # The state after `position` tokens is that boundary's own: vLLM keys the block there too.
-                    state.checkpoint_states[(g.index, position // g.block_size - 1)] = col
+                    cols[(g.index, position // g.block_size - 1)] = col
+        return cols
 
 
-def _state_block(state: ReqState, group: int, ids: list[int], i: int) -> int:
+def _state_block(state: ReqState, checkpoint_cols: dict[tuple[int, int], int], group: int, ids: list[int],
+                 i: int) -> int:
     """The GPU block holding block `i`'s KV or, for a Mamba group, the state after `(i + 1) * b` tokens; 0 if none
-    does: its own block when it is real and holds no other position's state, else a checkpoint block that holds it."""
+    does: its own block when it is real and holds no other position's state, else this step's checkpoint block that
+    holds it."""
     if ids[i] and (group, i) not in state.foreign_states:
         return ids[i]
-    col = state.checkpoint_states.get((group, i))
+    col = checkpoint_cols.get((group, i))
     return ids[col] if col is not None and col < len(ids) and ids[col] else 0

@@ -280,17 +280,18 @@ def test_a_prefill_checkpoint_block_is_never_stored_as_another_boundarys_state()
     column `cdiv(end, b) - 2`. Under EAGLE's block drop (vLLM 0.32 and 0.33) the position is one hash block before
     that column's end: here block 10 (boundary 704) holds the state after 640 tokens. Stored under block 10's key,
     a later request resumed from it; the connector now notes such blocks and stores them only under their own
-    position's key (640's here). On 0.34 (lookahead
-    hashes, no block drop) every checkpoint of this case is its column's own boundary."""
+    position's key (640's here). On 0.34 (lookahead hashes, no block drop) every checkpoint of this case is its
+    column's own boundary."""
     from offload_connector.compat import vllm_release
     from offload_connector.scheduler.stores import StorePlanner
 
     real = StorePlanner._note_checkpoints
     noted: list[int] = []
 
-    def spy(self, state) -> None:
-        real(self, state)
+    def spy(self, state) -> dict:
+        cols = real(self, state)
         noted.append(len(state.foreign_states))
+        return cols
 
     with pytest.MonkeyPatch.context() as mp:
         mp.setattr(StorePlanner, "_note_checkpoints", spy)
@@ -301,7 +302,7 @@ def test_a_prefill_checkpoint_block_is_never_stored_as_another_boundarys_state()
     if vllm_release() in ("0.32", "0.33"):
         assert foreign > 0
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(StorePlanner, "_note_checkpoints", lambda self, state: None)
+        mp.setattr(StorePlanner, "_note_checkpoints", lambda self, state: {})
         unfixed = run_case(EAGLE_CHECKPOINT_CASE)
     checkpoint_loads = [m for m in unfixed.mismatches if m.startswith("content:")]
     assert bool(checkpoint_loads) == (foreign > 0), unfixed.mismatches
