@@ -25,6 +25,8 @@ class StorePlanner:
         self.events = events
         self.counters = counters
         self.kv: KVBinding | None = None
+        # Only Mamba groups get prefill checkpoints: an attention-only layout skips the per-step check.
+        self._mamba = tuple(g for g in layout.groups if g.kind is GroupKind.MAMBA)
 
     def bind(self, kv: KVBinding) -> None:
         self.kv = kv
@@ -84,7 +86,7 @@ class StorePlanner:
             state.full_stored[g.index] = max(state.full_stored[g.index], end)
 
         # This step's chunk only: the blocks of a later step (or of the table after a preemption) are other blocks.
-        checkpoint_cols = self._note_checkpoints(state) if block_ids is None else {}
+        checkpoint_cols = self._note_checkpoints(state) if block_ids is None and self._mamba else {}
         upto = done - done % layout.alignment
         after_sampling = False
         points: list[int] = []
@@ -191,9 +193,7 @@ class StorePlanner:
         assert self.kv is not None, "bind_kv_cache_manager was not called"
         rid = state.request.request_id
         cols: dict[tuple[int, int], int] = {}
-        for g in self.layout.groups:
-            if g.kind is not GroupKind.MAMBA:
-                continue
+        for g in self._mamba:
             checkpoint = getattr(self.kv.managers[g.index], "_checkpoints", {}).get(rid)
             if checkpoint is None:
                 continue
