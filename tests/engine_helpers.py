@@ -429,9 +429,8 @@ def _child(script_path: str, out_path: str) -> None:
     last_output: list[Any] = [None]
 
     def hash_blocks(into: dict[str, Any], upto: Callable[[str, Any], int], rids: Any) -> None:
-        import torch
         ctx = engine.vllm_config.compilation_config.static_forward_context
-        if kv_trace.get("skipped") or not all(name in ctx for g in kcc.kv_cache_groups for name in g.layer_names):
+        if kv_trace.get("skipped") or not _caches_in_process(ctx, kcc):
             # TP/PP: the KV caches live in the worker processes, out of this process's reach; not traced.
             kv_trace["skipped"] = "the KV cache is in worker processes (TP/PP)"
             return
@@ -439,25 +438,13 @@ def _child(script_path: str, out_path: str) -> None:
             req = sched.requests.get(rid)
             if req is None:
                 continue
-            limit = upto(rid, req)
-            ids = sched.kv_cache_manager.get_block_ids(rid)
-            for g, blocks in enumerate(ids):
-                group = kcc.kv_cache_groups[g]
-                bs = group.kv_cache_spec.block_size
-                for i, blk in enumerate(blocks):
-                    if blk == 0 or (i + 1) * bs > limit:
-                        continue
-                    h = hashlib.blake2b(digest_size=8)
-                    for layer in group.layer_names:
-                        kv = ctx[layer].kv_cache
-                        kv = kv[0] if isinstance(kv, (list, tuple)) else kv
-                        h.update(_block_view(kv, int(blk), kcc.num_blocks).contiguous().view(-1).view(torch.uint8)
-                                 .numpy().tobytes())
-                    key, digest = f"{rid}/{g}/{i}@{blk}", h.hexdigest()
-                    first = into.setdefault(key, [step_no[0], int(blk), digest])
-                    if into is kv_trace["first"] and first[2] != digest and len(kv_trace["changed"]) < 200:
-                        kv_trace["changed"].append({"step": step_no[0], "block": key, "id": int(blk),
-                                                    "was": first[2], "now": digest, "hashed_at": first[0]})
+            for g, i, blk in _full_blocks(sched, kcc, rid, upto(rid, req)):
+                key = f"{rid}/{g}/{i}@{blk}"
+                digest = _block_digest(ctx, kcc.kv_cache_groups[g].layer_names, blk, kcc.num_blocks, False)
+                first = into.setdefault(key, [step_no[0], blk, digest])
+                if into is kv_trace["first"] and first[2] != digest and len(kv_trace["changed"]) < 200:
+                    kv_trace["changed"].append({"step": step_no[0], "block": key, "id": blk,
+                                                "was": first[2], "now": digest, "hashed_at": first[0]})
 
     def trace_kv() -> None:
         # Requests still loading are skipped: their blocks are not their own until the load lands.
@@ -486,26 +473,16 @@ def _child(script_path: str, out_path: str) -> None:
     state_digests: dict[str, str] | None = {} if script.get("state_digests") else None
 
     def digest_states() -> None:
-        import torch
         ctx = engine.vllm_config.compilation_config.static_forward_context
-        if not all(name in ctx for g in kcc.kv_cache_groups for name in g.layer_names):
+        if not _caches_in_process(ctx, kcc):
             return  # TP/PP: the states live in the worker processes
         for rid, req in list(sched.requests.items()):
             if "REMOTE" in req.status.name:
                 continue
-            for g, blocks in enumerate(sched.kv_cache_manager.get_block_ids(rid)):
+            for g, i, blk in _full_blocks(sched, kcc, rid, req.num_computed_tokens):
                 group = kcc.kv_cache_groups[g]
-                if type(group.kv_cache_spec).__name__ != "MambaSpec":
-                    continue
-                for i, blk in enumerate(blocks):
-                    if blk == 0 or (i + 1) * group.kv_cache_spec.block_size > req.num_computed_tokens:
-                        continue
-                    h = hashlib.blake2b(digest_size=8)
-                    for layer in group.layer_names:
-                        for t in ctx[layer].kv_cache:
-                            h.update(_block_view(t, int(blk), kcc.num_blocks).contiguous().view(-1).view(torch.uint8)
-                                     .numpy().tobytes())
-                    state_digests[f"{rid}/{g}/{i}"] = h.hexdigest()
+                if type(group.kv_cache_spec).__name__ == "MambaSpec":
+                    state_digests[f"{rid}/{g}/{i}"] = _block_digest(ctx, group.layer_names, blk, kcc.num_blocks, True)
 
     def schedule(*a: Any, **k: Any) -> Any:
         if kv_trace is not None:
@@ -1040,6 +1017,34 @@ class _Injector:
                 self.corrupted.append({"request": rid, "group": g, "block": blk, "kv_shapes": shapes})
                 return True
         return False
+
+
+def _caches_in_process(ctx: dict[str, Any], kcc: Any) -> bool:
+    """Whether every layer's cache is in this process (not in TP/PP worker processes)."""
+    return all(name in ctx for g in kcc.kv_cache_groups for name in g.layer_names)
+
+
+def _full_blocks(sched: Any, kcc: Any, rid: str, limit: int) -> Any:
+    """(group, column, block id) of every block request `rid` holds that its first `limit` tokens fill (null blocks
+    skipped), in group and column order."""
+    for g, blocks in enumerate(sched.kv_cache_manager.get_block_ids(rid)):
+        bs = kcc.kv_cache_groups[g].kv_cache_spec.block_size
+        for i, blk in enumerate(blocks):
+            if blk != 0 and (i + 1) * bs <= limit:
+                yield g, i, int(blk)
+
+
+def _block_digest(ctx: dict[str, Any], layers: Any, block: int, num_blocks: int, every_state: bool) -> str:
+    """A digest of one block's bytes over `layers`: each layer's first cache tensor (K/V, or a Mamba layer's first
+    state), or with `every_state` each of its tensors (every state of a Mamba layer)."""
+    import torch
+    h = hashlib.blake2b(digest_size=8)
+    for layer in layers:
+        kv = ctx[layer].kv_cache
+        tensors = list(kv) if isinstance(kv, (list, tuple)) else [kv]
+        for t in (tensors if every_state else tensors[:1]):
+            h.update(_block_view(t, block, num_blocks).contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()
 
 
 def _block_view(kv: Any, block: int, num_blocks: int) -> Any:
