@@ -126,6 +126,77 @@ def test_slru_share_is_a_constructor_argument_and_a_reloaded_entry_is_protected_
     assert tier.evictable_keys().index(a[4]) < tier.evictable_keys().index(a[0])
 
 
+def test_slru_protection_lapses_after_a_tier_turnover_without_use():
+    """A protected entry not used while the tier saw its capacity in releases and touches drops to probation with
+    its age; one used within every turnover keeps its protection; `protected_expiry=None` never lapses."""
+    for expiry, lapses in ((1.0, True), (None, False)):
+        tier = TierIndex(10, [10], policy=SegmentedLRUPolicy(10, protected_expiry=expiry))
+        old, kept = keys(2, tag="old"), keys(1, tag="kept")
+        stored(tier, old + kept)
+        served(tier, old + kept)  # all three protected (the cap is 3)
+        for i in range(30):  # three turnovers of one-shot entries, `kept` served again every third store
+            stored(tier, [(0, f"f{i}")])
+            if i % 3 == 0:
+                served(tier, kept)
+        assert tier.has(kept[0])
+        assert [tier.has(k) for k in old] == [not lapses] * 2
+        if lapses:  # lapsed entries went first: every filler of the last turnover is still there
+            assert all(tier.has((0, f"f{i}")) for i in range(23, 30))
+
+
+def test_a_lapsed_entry_competes_by_the_age_of_its_last_use():
+    """Lapsed, an entry that served a load goes after the probation entries older than its last use and before the
+    newer ones (evicting it before all probation was measured to lose agent sessions to one-shot filler)."""
+    policy = SegmentedLRUPolicy(10, protected_expiry=1.0)
+    policy.release((0, "a0"))
+    policy.release((0, "a1"))
+    policy.pin((0, "p"))
+    policy.loaded((0, "p"))
+    policy.release((0, "p"))  # protected, last used after a1
+    fresh = [(0, f"f{i}") for i in range(10)]
+    for k in fresh:  # 13 uses: p's last was the 3rd, 10 uses since it
+        policy.release(k)
+    assert policy.evictable_keys()[-1] == (0, "p")  # still protected
+    policy.release((0, "f10"))  # 11 uses since p's last: lapsed
+    assert policy.evictable_keys()[:4] == [(0, "a0"), (0, "p"), (0, "a1"), fresh[0]]
+    assert [policy.victim() for _ in range(3)] == [(0, "a0"), (0, "p"), (0, "a1")]
+
+
+def test_slru_victims_follow_evictable_keys_under_random_operations():
+    """The listed order (used by the invariant checks) is the order victims are taken in, lapsed entries
+    included: random releases, loads, touches, pins and evictions against a small expiry."""
+    rng = random.Random(11)
+    for expiry in (0.2, 1.0, None):
+        policy = SegmentedLRUPolicy(20, protected_expiry=expiry)
+        pinned: set = set()
+        for _ in range(4000):
+            k = (0, rng.randrange(30))
+            op = rng.randrange(6)
+            if op == 0 and k not in pinned and not policy.is_evictable(k):
+                policy.release(k)
+            elif op == 1 and policy.is_evictable(k):
+                policy.pin(k)
+                pinned.add(k)
+            elif op == 2 and k in pinned:
+                policy.loaded(k)
+                policy.release(k)
+                pinned.discard(k)
+            elif op == 3:
+                policy.touch(k)
+            elif op == 4 and policy.is_evictable(k):
+                policy.removed(k)
+            elif op == 5:
+                order = policy.evictable_keys()
+                assert policy.victim() == (order[0] if order else None)
+            assert len(set(policy.evictable_keys())) == policy.num_evictable()
+
+
+def test_slru_expiry_is_validated():
+    for bad in (0, -1.0):
+        with pytest.raises(ValueError, match="protected_expiry"):
+            SegmentedLRUPolicy(10, protected_expiry=bad)
+
+
 # ------------------------------------------------------------------------------------------------ arc
 def textbook_arc(c):
     """ARC as published: the target size of T1 starts at 0 (the built-in "arc" starts at 0.7 of the slots)."""
