@@ -15,15 +15,6 @@ class SegmentedLRUPolicy(EvictionPolicy):
     holds at most `protected_share` of the tier's slots (at least one); its oldest entries drop back to probation
     (at probation's most recent end) and return to the protected segment the next time a load releases them.
 
-    Protection lapses: a protected entry unused (not released or touched) while the tier saw `protected_expiry`
-    times its capacity in releases and touches of any entry drops back to probation with the age of its last use,
-    where it competes as the shared entries do. It served a load once, but not within a tier's turnover; without
-    the lapse, contexts served long ago held the protected segment while a burst of prompts stored once, returning
-    within that turnover, were evicted from probation (layout sweep, deepseek-v4-flash-1m: 1.64x and 1.11x the
-    patched vLLM's recompute on a 128-token window and on Llama-4-style chunks). Evicting lapsed entries before
-    probation instead was measured worse: agent sessions whose turns are further apart than a turnover of filler
-    lost their contexts to one-shot filler (agent-tool-prefix, Gemma 4 31B: 4.0x the patched vLLM's recompute).
-
     A re-offered entry (a later request computed the block again, or found it in vLLM's GPU prefix cache, and its
     store offered it) moves to the recent end of its segment (`touch_on_reoffer`), as a touch does: it is in use
     again, in a window or prefix a request has just passed through. It is not protected, which only a load earns
@@ -50,17 +41,12 @@ class SegmentedLRUPolicy(EvictionPolicy):
 
     def __init__(self, capacity_slots: int, protected_share: float = 0.3, reuse_on_store: bool = False,
                  touch_on_reoffer: bool = True, adaptive: bool = True, ghost_step: float | None = None,
-                 max_bias: float = math.log(4096), protected_expiry: float | None = 1.0) -> None:
+                 max_bias: float = math.log(4096)) -> None:
         super().__init__(capacity_slots)
         if not 0.0 < protected_share <= 1.0:
             raise ValueError(f"protected_share must be in (0, 1]; got {protected_share!r}")
         if max_bias < 0:
             raise ValueError(f"max_bias must be >= 0; got {max_bias!r}")
-        if protected_expiry is not None and not protected_expiry > 0:
-            raise ValueError(f"protected_expiry must be > 0 or None; got {protected_expiry!r}")
-        # In releases and touches; None: protection never lapses.
-        self._expiry_uses = None if protected_expiry is None else max(1, int(capacity_slots * protected_expiry))
-        self._uses = 0
         self.protected_share = protected_share
         self.reuse_on_store = reuse_on_store  # a re-offered entry counts as having served a load
         self.touch_on_reoffer = touch_on_reoffer  # a re-offered entry moves to the recent end of its segment
@@ -75,11 +61,7 @@ class SegmentedLRUPolicy(EvictionPolicy):
         self._clock = 0
         # Probation per class (True: unshared), least recent first; the value is the clock when it was last used.
         self._probation: dict[bool, OrderedDict[Key, int]] = {False: OrderedDict(), True: OrderedDict()}
-        # Least recent first; value: (`_uses`, `_clock`) at its last use.
-        self._protected: OrderedDict[Key, tuple[int, int]] = OrderedDict()
-        # Protected entries whose protection lapsed, in the order of their last use; value: `_clock` at it. They
-        # are shared probation entries that keep their age, so they are a second sorted list of that class.
-        self._lapsed: OrderedDict[Key, int] = OrderedDict()
+        self._protected: OrderedDict[Key, None] = OrderedDict()
         self._served: set[Key] = set()  # entries in the tier that have served a load
         self._unshared: set[Key] = set()  # entries in the tier stored by a request that shared nothing
         self._ghosts: dict[bool, OrderedDict[Key, None]] = {False: OrderedDict(), True: OrderedDict()}
@@ -99,32 +81,29 @@ class SegmentedLRUPolicy(EvictionPolicy):
             self._unshared.add(key)
 
     def release(self, key: Key) -> None:
-        self._uses += 1
         if key not in self._served:
             self._to_probation(key)
-        else:
-            self._protect(key)
-        self._expire()
+            return
+        self._protected[key] = None
+        while len(self._protected) > self.protected_cap:
+            old, _ = self._protected.popitem(last=False)
+            self._to_probation(old)
 
     def pin(self, key: Key) -> None:
         self._probation[key in self._unshared].pop(key, None)
         self._protected.pop(key, None)
-        self._lapsed.pop(key, None)
 
     def loaded(self, key: Key) -> None:
         self._served.add(key)
         self._unshared.discard(key)
 
     def touch(self, key: Key) -> None:
-        self._uses += 1
         segment = self._probation[key in self._unshared]
-        if key in self._protected or key in self._lapsed:
-            self.pin(key)
-            self._protect(key)
+        if key in self._protected:
+            self._protected.move_to_end(key)
         elif key in segment:
             del segment[key]
             self._to_probation(key)
-        self._expire()
 
     def reoffered(self, key: Key) -> None:
         # Another request computed or found this block: whoever stored it, it is shared now.
@@ -150,8 +129,7 @@ class SegmentedLRUPolicy(EvictionPolicy):
     def victim(self) -> Key | None:
         cls = self._victim_class()
         if cls is not None:
-            key = self._shared_head_list().popitem(last=False)[0] if cls is False else \
-                self._probation[True].popitem(last=False)[0]
+            key = self._probation[cls].popitem(last=False)[0]
             if self.adaptive:
                 ghosts = self._ghosts[cls]
                 ghosts[key] = None
@@ -169,20 +147,17 @@ class SegmentedLRUPolicy(EvictionPolicy):
         for d in (*self._probation.values(), *self._ghosts.values()):
             d.clear()
         self._protected.clear()
-        self._lapsed.clear()
         self._served.clear()
         self._unshared.clear()
 
     def is_evictable(self, key: Key) -> bool:
-        return key in self._probation[key in self._unshared] or key in self._protected or key in self._lapsed
+        return key in self._probation[key in self._unshared] or key in self._protected
 
     def evictable_keys(self) -> list[Key]:
         """Probation in victim order (its two lists merged by weighted age), then the protected segment oldest
         first: the order in which victims are taken while no entry is released or touched (one store's victims);
         a release in between ages every entry and, with a bias, can reorder the two classes."""
-        # Lapsed entries first among equal stamps, as `_shared_head_list` takes them.
-        shared = sorted([*self._lapsed.items(), *self._probation[False].items()], key=lambda kv: kv[1])
-        unshared = list(self._probation[True].items())
+        shared, unshared = list(self._probation[False].items()), list(self._probation[True].items())
         out: list[Key] = []
         i = j = 0
         while i < len(shared) or j < len(unshared):
@@ -195,38 +170,15 @@ class SegmentedLRUPolicy(EvictionPolicy):
         return [*out, *self._protected]
 
     def num_evictable(self) -> int:
-        return len(self._probation[False]) + len(self._probation[True]) + len(self._protected) + len(self._lapsed)
+        return len(self._probation[False]) + len(self._probation[True]) + len(self._protected)
 
     # -------------------------------------------------------------- internal
-    def _protect(self, key: Key) -> None:
-        self._protected[key] = (self._uses, self._clock)
-        while len(self._protected) > self.protected_cap:
-            old, _ = self._protected.popitem(last=False)
-            self._to_probation(old)
-
-    def _expire(self) -> None:
-        if self._expiry_uses is None:
-            return
-        while self._protected:
-            key, (used, stamp) = next(iter(self._protected.items()))
-            if self._uses - used <= self._expiry_uses:
-                return
-            del self._protected[key]
-            self._lapsed[key] = stamp
-
-    def _shared_head_list(self) -> OrderedDict[Key, int]:
-        """The list holding the oldest shared probation entry: regular probation or the lapsed entries."""
-        shared, lapsed = self._probation[False], self._lapsed
-        if lapsed and (not shared or next(iter(lapsed.values())) <= next(iter(shared.values()))):
-            return lapsed
-        return shared
-
     def _to_probation(self, key: Key) -> None:
         self._clock += 1
         self._probation[key in self._unshared][key] = self._clock
 
     def _victim_class(self) -> bool | None:
-        shared, unshared = self._shared_head_list(), self._probation[True]
+        shared, unshared = self._probation[False], self._probation[True]
         if not shared or not unshared:
             return True if unshared else False if shared else None
         return self._takes_unshared(next(iter(shared.values())), next(iter(unshared.values())))
