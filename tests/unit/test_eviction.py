@@ -126,6 +126,40 @@ def test_slru_share_is_a_constructor_argument_and_a_reloaded_entry_is_protected_
     assert tier.evictable_keys().index(a[4]) < tier.evictable_keys().index(a[0])
 
 
+def test_slru_victims_follow_evictable_keys_under_random_operations():
+    """The listed order (used by the invariant checks) is the order victims are taken in, through random releases,
+    loads, touches, pins, removals and evictions, with and without the adaptive probation bias."""
+    rng = random.Random(11)
+    for adaptive in (True, False):
+        policy = SegmentedLRUPolicy(20, adaptive=adaptive, ghost_step=0.5)
+        pinned: set = set()
+        for _ in range(4000):
+            k = (0, rng.randrange(30))
+            op = rng.randrange(7)
+            if op == 0 and k not in pinned and not policy.is_evictable(k):
+                policy.stored(k)
+                if rng.random() < 0.5:
+                    policy.unshared(k)
+                policy.release(k)
+            elif op == 1 and policy.is_evictable(k):
+                policy.pin(k)
+                pinned.add(k)
+            elif op == 2 and k in pinned:
+                policy.loaded(k)
+                policy.release(k)
+                pinned.discard(k)
+            elif op == 3:
+                policy.touch(k)
+            elif op == 4 and policy.is_evictable(k):
+                policy.removed(k)
+            elif op == 5:
+                order = policy.evictable_keys()
+                assert policy.victim() == (order[0] if order else None)
+            elif op == 6 and policy.is_evictable(k):
+                policy.reoffered(k)
+            assert len(set(policy.evictable_keys())) == policy.num_evictable()
+
+
 # ------------------------------------------------------------------------------------------------ arc
 def textbook_arc(c):
     """ARC as published: the target size of T1 starts at 0 (the built-in "arc" starts at 0.7 of the slots)."""
