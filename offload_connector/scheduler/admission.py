@@ -251,7 +251,7 @@ class AdmissionControl:
         self.stats.record_deferral(reason)
         self._keep_warm(offer)
         if self.config.admission_policy == "fair":
-            self.fair.defer(request, step, sum(plan.now), plan.total)
+            self.fair.defer(request, step, sum(plan.now), plan.total, offer.hit // self.layout.hash_block_size)
 
     def _aged_out(self, request: Request, state: ReqState, local: int, hit: int, step: int, since: int) -> bool:
         """Start (at `since`) or continue the request's deferral clock; past `max_deferral_steps` give the load up:
@@ -301,7 +301,7 @@ class AdmissionControl:
             self.stats.record_deferral("behind_load")
             return True
         older = self.fair.oldest_ahead_of(request)
-        if older is None:
+        if older is None or self.fair.shares_prefix(older, request):
             return False
         kv = self._kv()
         free = kv.pool.get_num_free_blocks()
