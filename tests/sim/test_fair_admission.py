@@ -152,3 +152,54 @@ def test_a_load_keeps_its_place_before_a_newer_long_prefill():
     assert fair["old"] < fair["new"]
     assert fair["old"] < plain["old"] and fair["old"] + 3 <= greedy["old"]
     assert fair["new"] <= plain["new"]
+
+
+def _first_tokens(hold_after: int) -> tuple[dict[str, int], int]:
+    """A long decoder holds half the pool; "ret" returns with a 4,000-token prefix in the CPU tier and 3,000 new
+    tokens (its blocks do not fit next to the decoder's); "sib" arrives a step later with the same prefix and 16 new
+    tokens (fits). Steps from arrival to first token per request, and the steps from ret's arrival to the
+    decoder's end."""
+    from offload_bench.sim.driver import SchedulerDriver
+    from offload_bench.sim.requests import make_request, tokens
+    from offload_bench.sim.starved import build
+    from offload_bench.sim.tagcopy import TagCopier
+
+    sched, hbs = build(connector_config("exact", 1 << 32, fair_hold_after_steps=hold_after))
+    drv = SchedulerDriver(sched, TagCopier(1))
+    prefix = tokens(1, 4000)
+    drv.add([make_request("warm", prefix, 1, hbs)])
+    assert not drv.run().stalled
+    sched.reset_prefix_cache()
+    drv.add([make_request("dec", tokens(10, 3500), 300, hbs)])
+    for _ in range(10):
+        drv.step()
+    arrival = {"ret": drv.step_no}
+    drv.add([make_request("ret", prefix + tokens(2, 3000), 4, hbs)])
+    drv.step()
+    arrival["sib"] = drv.step_no
+    drv.add([make_request("sib", prefix + tokens(3, 16), 4, hbs)])
+    first: dict[str, int] = {}
+    dec_end = None
+    while drv.busy() and drv.step_no < 3000:
+        rec = drv.step()
+        assert not (rec.idle_while_waiting and not drv.busy())
+        for rid, t0 in arrival.items():
+            req = drv.sched.requests.get(rid)
+            if rid not in first and (req is None or req.num_output_tokens > 0):
+                first[rid] = drv.step_no - t0
+        if dec_end is None and drv.sched.requests.get("dec") is None:
+            dec_end = drv.step_no - arrival["ret"]
+    assert drv.idle_invariant() and dec_end is not None
+    return first, dec_end
+
+
+def test_a_newer_request_that_starts_with_the_deferred_prefix_is_not_held_for_it():
+    """Holding every newer request from the first deferred step (`fair_hold_after_steps: 0`) kept "sib" back until
+    "ret" was admitted, after the decoder's end (~300 steps). It starts with ret's whole prefix, so it is not held
+    and starts within steps, with the default grace and with none; "ret" is not delayed for it: it starts within a
+    few steps of the decoder's end, as when it held "sib" back."""
+    for hold_after in (0, 1000):
+        first, dec_end = _first_tokens(hold_after)
+        assert set(first) == {"ret", "sib"}, first
+        assert first["sib"] < 20, (hold_after, first, dec_end)
+        assert dec_end > 200 and first["ret"] <= dec_end + 20, (hold_after, first, dec_end)
