@@ -14,14 +14,18 @@ holds newer requests back only while it is waiting for *them*: while the blocks 
 queue, given back, would let it in. Then no newer request starts (they finish and give their blocks back, and the
 load goes in); otherwise newer requests run as if nothing waited, and the load is admitted when its older blockers
 finish or, should that moment find newer requests in its way, after those few finish. Once a load has waited
-`fair_hold_after_steps` steps it holds every newer request back regardless (the bound of the old rule).
+`fair_hold_after_steps` steps it holds every newer request back regardless (the bound of the old rule), save the
+ones below.
 
 A newer request whose prompt starts with the whole prefix the deferred load is to load is never held for it: the
 two do not compete for that prefix. Whichever goes first brings it into vLLM's GPU cache, and the other finds it
 there (the deferred load shrinks to its own tail), so holding it would only reorder the two. Held, they waited
 for the older sibling's load (vLLM 0.34's decode-heavy at 16-token blocks: third-wave siblings held 46 steps
 behind an older sibling's deferred load, TTFT p95 1.06x the patched vLLM). Requests that share less (a system
-prompt or tool definitions in front of a longer loaded context) are held as before.
+prompt or tool definitions in front of a longer loaded context) are held as before. This holds after
+`fair_hold_after_steps` too, and cannot starve the load: while such a request runs, the prefix is in vLLM's GPU
+cache, so the older request needs no load (or only what the cache lacks, e.g. a Mamba state between its
+checkpoints) and vLLM's own queue order puts it before the newer ones.
 
 Why this cannot stall: only requests *behind* a deferred load are held, and the deferred load waits only for blocks
 held by requests that are already running or already admitted (they finish and give them back); a load that could
