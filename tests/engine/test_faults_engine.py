@@ -17,11 +17,13 @@ from __future__ import annotations
 import errno
 import os
 import subprocess
+from functools import partial
 from pathlib import Path
 
 import pytest
 
-from tests.engine_helpers import EngineRun, connector_config, drained, run_engine, vllm_cpu_version, words
+from tests.engine_helpers import (SECOND_TIER_IDLE, EngineRun, connector_config, drained, generate, run_engine,
+                                  vllm_cpu_version, words)
 
 if vllm_cpu_version() is None:
     pytest.skip("engine tests need the vllm-cpu distribution (a real engine on CPU)", allow_module_level=True)
@@ -30,8 +32,6 @@ pytestmark = pytest.mark.engine
 
 PREFIX, NEW, GEN = 576, 40, 12
 ENGINE = {"max_model_len": 1024, "max_num_batched_tokens": 128}
-IDLE_OK = 5000  # background reads and writes while the idle engine steps are not a stall
-IDLE_WALL_S = 120  # ... and bounded by time, not by how fast an idle engine steps (engine_helpers)
 SECRET = b"the pool's secret for the fault tests\n"
 
 
@@ -39,9 +39,7 @@ def _prompt(seed: int) -> list[int]:
     return [2] + words(seed, PREFIX - 1) + words(seed + 100, NEW)
 
 
-def _gen(rid: str, prompt: list[int], max_tokens: int) -> dict:
-    return {"op": "generate", "requests": [{"id": rid, "prompt_token_ids": prompt, "max_tokens": max_tokens}],
-            "stall_steps": IDLE_OK, "stall_wall_s": IDLE_WALL_S}
+_gen = partial(generate, **SECOND_TIER_IDLE)
 
 
 def _act(res: dict, rid: str) -> dict:

@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.engine_helpers import connector_config, output_of as _out, run_engine, vllm_cpu_version, word_prompt, words
+from tests.engine_helpers import connector_config, generate as _gen, output_of as _out, run_engine, vllm_cpu_version, word_prompt, words
 
 if vllm_cpu_version() is None:
     pytest.skip("engine tests need the vllm-cpu distribution (a real engine on CPU)", allow_module_level=True)
@@ -45,10 +45,6 @@ DRAFTERS = {"ngram": (DRAFTS, "tiny_qwen3_next"),
             "mtp": ({"method": "mtp", "num_speculative_tokens": 2}, "tiny_qwen3_next_mtp")}
 ZERO = {"op": "zero_kv"}
 RESET = {"op": "reset_prefix_cache"}
-
-
-def _gen(rid: str, prompt: list[int], max_tokens: int) -> dict:
-    return {"op": "generate", "requests": [{"id": rid, "prompt_token_ids": prompt, "max_tokens": max_tokens}]}
 
 
 PROMPT = word_prompt(21, PREFIX) + words(22, 88)

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import pytest
 
-from tests.engine_helpers import connector_config, output_of as _out, run_engine, vllm_cpu_version, word_prompt, words
+from tests.engine_helpers import connector_config, generate as _gen, output_of as _out, run_engine, vllm_cpu_version, word_prompt, words
 
 if vllm_cpu_version() is None:
     pytest.skip("engine tests need the vllm-cpu distribution (a real engine on CPU)", allow_module_level=True)
@@ -60,10 +60,6 @@ BLOCK, PREFIX = QWEN.block, QWEN.prefix  # the disk tier and TP 2 below run on Q
 @pytest.fixture(scope="session")
 def qwen_dir() -> str:
     return QWEN.model_dir()
-
-
-def _gen(rid: str, prompt: list[int], max_tokens: int) -> dict:
-    return {"op": "generate", "requests": [{"id": rid, "prompt_token_ids": prompt, "max_tokens": max_tokens}]}
 
 
 def _script(model_dir: str, kv: dict | None, hybrid: Hybrid = QWEN) -> dict:

