@@ -161,7 +161,7 @@ def _first_tokens(hold_after: int) -> tuple[dict[str, int], int, int]:
     and the connector's deferrals."""
     from offload_bench.sim.driver import SchedulerDriver
     from offload_bench.sim.requests import make_request, tokens
-    from offload_bench.sim.starved import build
+    from offload_bench.sim.starved import _has_output, build
     from offload_bench.sim.tagcopy import TagCopier
 
     sched, hbs = build(connector_config("exact", 1 << 32, fair_hold_after_steps=hold_after))
@@ -184,8 +184,7 @@ def _first_tokens(hold_after: int) -> tuple[dict[str, int], int, int]:
         rec = drv.step()
         assert not (rec.idle_while_waiting and not drv.busy())
         for rid, t0 in arrival.items():
-            req = drv.sched.requests.get(rid)
-            if rid not in first and (req is None or req.num_output_tokens > 0):
+            if rid not in first and _has_output(drv, rid):
                 first[rid] = drv.step_no - t0
         if dec_end is None and drv.sched.requests.get("dec") is None:
             dec_end = drv.step_no - arrival["ret"]
