@@ -53,8 +53,11 @@ def test_every_connector_replays_a_mooncake_trace_and_ours_loads_the_shared_pref
         assert res[name].tokens_loaded_from_cpu >= 2 * 6000, name
         assert res[name].tokens_recomputed < res["none"].tokens_recomputed, name
     assert res["offload"].transfer_bytes_stored > 0 and res["offload"].cpu_tier_bytes_per_cached_token
+    # Spare windows are part of the tier's bytes, never more than them; vLLM's connector has none.
+    assert 0 <= res["offload"].extra["cpu_tier_spare_bytes"] <= res["offload"].cpu_tier_bytes
+    assert "cpu_tier_spare_bytes" not in res["vllm-offloading"].extra
     text = render([r.result for r in out.runs])
-    assert "tokens recomputed" in text and "vllm-offloading" in text
+    assert "tokens recomputed" in text and "vllm-offloading" in text and "without spare windows" in text
     assert "step time" in header(out)
     json.dumps(out.to_json())
 

@@ -52,6 +52,20 @@ def test_bounds_and_worst_case() -> None:
     assert s["worst"]["recomputed"]["layout"] == "a" and s["worst"]["throughput"]["layout"] == "b"
 
 
+def test_host_bytes_without_spare_windows() -> None:
+    cols = {"results": [
+        {"connector": "offload", "output_tokens_per_s": 1.0, "ttft_p50_s": 1.0, "ttft_p95_s": 1.0,
+         "tokens_recomputed": 0, "stalled": False, "requests_completed": 1, "requests_total": 1,
+         "cpu_tier_bytes": 6 * 1024, "cpu_tier_cached_tokens": 2, "cpu_tier_bytes_per_cached_token": 3 * 1024,
+         "extra": {"cpu_tier_spare_bytes": 2 * 1024}},
+        {"connector": "vllm-offloading-patched", "output_tokens_per_s": 1.0, "ttft_p50_s": 1.0, "ttft_p95_s": 1.0,
+         "tokens_recomputed": 0, "stalled": False, "requests_completed": 1, "requests_total": 1,
+         "cpu_tier_bytes": 1024, "cpu_tier_cached_tokens": 1, "cpu_tier_bytes_per_cached_token": 1024, "extra": {}}]}
+    r = sweep.ratios(cols)
+    assert r["host_kib_per_cached_token"] == [3.0, 1.0]
+    assert r["host_kib_per_cached_token_without_spare"] == [2.0, 1.0]
+
+
 def test_a_bad_argument_is_one_line_and_exit_2() -> None:
     for argv in (["--layouts", "nope"], ["--timeout", "nan"], ["--bogus"]):
         proc = subprocess.run([sys.executable, "-m", "offload_bench", "layout-sweep", *argv],

@@ -137,7 +137,7 @@ def _finish(kind: str, eng: ReplayEngine, clock: SimClock, total: int, stall_ste
                # Simulated seconds forward passes waited for loads reported before they landed (ours, "ordered").
                "forward_wait_s": round(clock.forward_wait_s, 6),
                "loads_content_checked": eng.loads_content_checked(),
-               **_load_outcomes(eng), **_spec_outcomes(eng),
+               **_load_outcomes(eng), **_spec_outcomes(eng), **_spare_usage(eng),
                # Which groups' admission count sim/vllm_patched.py replaced (vllm-offloading-patched only).
                **({"admission_fix_groups": list(eng.patched_groups)} if eng.patched_groups else {})})
     return RunOutput(res, eng.recorder.series(), clock.now if stall_step is not None else None)
@@ -190,6 +190,16 @@ def _load_outcomes(eng: ReplayEngine) -> dict[str, int]:
     return {"cpu_hit_tokens": c.cpu_hit_tokens, "aged_out_tokens": c.aged_out_tokens,
             "too_big_tokens": c.too_big_tokens, "held_for_older": c.held_for_older,
             "held_behind_load": c.held_behind_load}
+
+
+def _spare_usage(eng: ReplayEngine) -> dict[str, int]:
+    """Host bytes our CPU tier gives to spare windows at the end of the run: room no regular entry used, which any
+    regular store takes back first. The tier's bytes per cached token count them; without them is what the tier keeps
+    when it is full (the store points' budget)."""
+    side = getattr(eng, "side", None)
+    if side is None:
+        return {}
+    return {"cpu_tier_spare_bytes": side.tier.stats().spare_entries * side.slot_bytes}
 
 
 def run_replay(workload: Workload, cfg: ReplayConfig, progress: Progress | None = None) -> ReplayOutput:

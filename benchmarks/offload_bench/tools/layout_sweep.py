@@ -112,7 +112,16 @@ def ratios(data: dict[str, Any]) -> dict[str, Any]:
             "stalls": [bool(a["stalled"]), bool(b["stalled"])],
             "completed": [a["requests_completed"], b["requests_completed"], a["requests_total"]],
             "host_kib_per_cached_token": [round(a["cpu_tier_bytes_per_cached_token"] / 1024, 1),
-                                          round(b["cpu_tier_bytes_per_cached_token"] / 1024, 1)]}
+                                          round(b["cpu_tier_bytes_per_cached_token"] / 1024, 1)],
+            # Ours less the spare windows (room no regular entry used): what the tier keeps once it is full.
+            "host_kib_per_cached_token_without_spare": [_without_spare_kib(a), _without_spare_kib(b)]}
+
+
+def _without_spare_kib(col: dict[str, Any]) -> float | None:
+    if not col["cpu_tier_bytes"] or not col["cpu_tier_cached_tokens"]:
+        return None
+    spare = col.get("extra", {}).get("cpu_tier_spare_bytes", 0)
+    return round((col["cpu_tier_bytes"] - spare) / col["cpu_tier_cached_tokens"] / 1024, 1)
 
 
 def out_of_bounds(row: dict[str, Any]) -> list[str]:
