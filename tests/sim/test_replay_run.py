@@ -47,6 +47,9 @@ def test_every_connector_replays_a_mooncake_trace_and_ours_loads_the_shared_pref
         assert not r.stalled and r.requests_completed == r.requests_total == 14, r
         assert r.output_tokens == 4 + 4 + 10 * 2 + 8 + 8
         assert r.simulated_seconds >= 9.0  # the last arrival is at 9 s
+        # The last token comes at or before the end of the run (which waits for the connector's stores).
+        assert 9.0 < r.extra["last_token_s"] <= r.simulated_seconds
+        assert r.extra["output_tokens_per_s_to_last_token"] >= r.output_tokens_per_s
     # Each returning request shares 11 blocks of 512 with its first turn; the GPU cache no longer holds them.
     assert res["none"].tokens_loaded_from_cpu == 0 and res["none"].tokens_recomputed > 0
     for name in ("offload", "offload-vllm-reservation", "vllm-offloading"):
@@ -58,6 +61,7 @@ def test_every_connector_replays_a_mooncake_trace_and_ours_loads_the_shared_pref
     assert "cpu_tier_spare_bytes" not in res["vllm-offloading"].extra
     text = render([r.result for r in out.runs])
     assert "tokens recomputed" in text and "vllm-offloading" in text and "without spare windows" in text
+    assert "to the last output token" in text
     assert "step time" in header(out)
     json.dumps(out.to_json())
 

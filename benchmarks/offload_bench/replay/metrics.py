@@ -234,6 +234,9 @@ class Recorder:
                      for name, v in zip(self.group_names, self.group_used)}
         return dict(
             requests_completed=len(done),
+            # When the last request got its last token: the run's clock can go on after it while a connector
+            # finishes its stores, which delays no request.
+            last_token_s=max((r.finished for r in done), default=None),
             output_tokens=self.output_tokens,
             ttft_p50_s=percentile(ttft, 50), ttft_p95_s=percentile(ttft, 95),
             tokens_loaded_from_cpu=self.loaded_tokens, tokens_recomputed=recomputed,

@@ -166,7 +166,8 @@ def result_from_summary(connector: str, s: dict[str, Any], *, total: int, simula
         cpu_tier_bytes=tier_bytes, cpu_tier_cached_tokens=tier_tokens,
         cpu_tier_bytes_per_cached_token=(tier_bytes / tier_tokens) if tier_bytes and tier_tokens else None,
         transfer_bytes_loaded=loaded_bytes, transfer_bytes_stored=stored_bytes,
-        stopped_reason=reason, wall_seconds=round(wall, 1), stall_dump=stall_dump, extra=extra,
+        stopped_reason=reason, wall_seconds=round(wall, 1), stall_dump=stall_dump,
+        extra={**extra, **_to_last_token(s, stall_step)},
         per_phase=s.get("per_phase") or {})
 
 
@@ -190,6 +191,15 @@ def _load_outcomes(eng: ReplayEngine) -> dict[str, int]:
     return {"cpu_hit_tokens": c.cpu_hit_tokens, "aged_out_tokens": c.aged_out_tokens,
             "too_big_tokens": c.too_big_tokens, "held_for_older": c.held_for_older,
             "held_behind_load": c.held_behind_load}
+
+
+def _to_last_token(s: dict[str, Any], stall_step: int | None) -> dict[str, float]:
+    """Output tokens per second from the first arrival to the last output token (as vLLM's serving benchmark times a
+    run: until the last response), next to `output_tokens_per_s`, which runs to the end of the connector's work."""
+    last = s.get("last_token_s")
+    if stall_step is not None or not last or s["requests_completed"] == 0:
+        return {}
+    return {"last_token_s": last, "output_tokens_per_s_to_last_token": s["output_tokens"] / last}
 
 
 def _spare_usage(eng: ReplayEngine) -> dict[str, int]:

@@ -45,6 +45,7 @@ ROWS: list[tuple[str, Callable[[ConnectorResult], Any], Callable[[Any], str]]] =
     ("steps", lambda r: r.steps, _f(",")),
     ("output tokens / sim s", lambda r: (r.output_tokens_per_s, r.stalled),
      lambda v: f"{v[0]:,.1f}" + (" (to stall)" if v[1] else "")),
+    ("  to the last output token", lambda r: r.extra.get("output_tokens_per_s_to_last_token"), _f(",.1f")),
     ("TTFT p50 (s)", lambda r: r.ttft_p50_s, _f(".3f")),
     ("TTFT p95 (s)", lambda r: r.ttft_p95_s, _f(".3f")),
     ("tokens loaded from CPU", lambda r: r.tokens_loaded_from_cpu, _f(",")),
