@@ -1,5 +1,6 @@
 """What a simulated step samples per scheduled request, speculative drafts included (seeded, shared by the driver of
-our connector and the one of vLLM's, so both columns of a replay accept the same way)."""
+our connector and the one of vLLM's, so both columns of a replay draw from the same stream; they accept alike only
+while they schedule alike, or with `DraftSampler.per_position`)."""
 
 from __future__ import annotations
 
@@ -42,7 +43,6 @@ class DraftSampler:
             self.accepted += accepted
             sampled.append([7] * (1 + accepted))
         return req_ids, sampled
-
 
     def _accepted(self, rid: str, position: int, drafts: int) -> int:
         if self.per_position:
