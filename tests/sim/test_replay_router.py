@@ -43,8 +43,15 @@ def test_shared_tier_loads_what_private_tiers_recompute(reduced):
     # vLLM allocated (recorded admissions, as in the ledger fuzz).
     for r in (private, shared):
         assert r.extra["admissions_checked"] > 0 and r.extra["admission_mismatches"] == 0
+    # Host bytes per cached token without spare windows: every engine's spare windows taken off the pool's bytes
+    # (none here: on gpt-oss-20b the checkpoints, one 128-token window every 128 tokens, already hold every block).
+    for r in (private, shared):
+        spare = r.extra["cpu_tier_spare_bytes"]
+        assert 0 <= spare < r.cpu_tier_bytes
+        assert r.extra["cpu_tier_bytes_per_cached_token_without_spare"] == pytest.approx(
+            (r.cpu_tier_bytes - spare) / r.cpu_tier_cached_tokens)
     text = render([r.result for r in reduced.runs])
-    assert "from the shared tier" in text and SHARED in text
+    assert "from the shared tier" in text and SHARED in text and "without spare windows" in text
     assert "2 engines, round-robin" in header(reduced) and "10 GB/s" in header(reduced)
 
 

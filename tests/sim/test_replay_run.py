@@ -59,6 +59,10 @@ def test_every_connector_replays_a_mooncake_trace_and_ours_loads_the_shared_pref
     # Spare windows are part of the tier's bytes, never more than them; vLLM's connector has none.
     assert 0 <= res["offload"].extra["cpu_tier_spare_bytes"] <= res["offload"].cpu_tier_bytes
     assert "cpu_tier_spare_bytes" not in res["vllm-offloading"].extra
+    for r in (res["offload"], res["vllm-offloading"]):  # computed once, in the runner; without spare: none taken off
+        spare = r.extra.get("cpu_tier_spare_bytes", 0)
+        assert r.extra["cpu_tier_bytes_per_cached_token_without_spare"] == (
+            (r.cpu_tier_bytes - spare) / r.cpu_tier_cached_tokens)
     text = render([r.result for r in out.runs])
     assert "tokens recomputed" in text and "vllm-offloading" in text and "without spare windows" in text
     assert "to the last output token" in text

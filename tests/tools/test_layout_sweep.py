@@ -57,10 +57,11 @@ def test_host_bytes_without_spare_windows() -> None:
         {"connector": "offload", "output_tokens_per_s": 1.0, "ttft_p50_s": 1.0, "ttft_p95_s": 1.0,
          "tokens_recomputed": 0, "stalled": False, "requests_completed": 1, "requests_total": 1,
          "cpu_tier_bytes": 6 * 1024, "cpu_tier_cached_tokens": 2, "cpu_tier_bytes_per_cached_token": 3 * 1024,
-         "extra": {"cpu_tier_spare_bytes": 2 * 1024}},
+         "extra": {"cpu_tier_spare_bytes": 2 * 1024, "cpu_tier_bytes_per_cached_token_without_spare": 2 * 1024}},
         {"connector": "vllm-offloading-patched", "output_tokens_per_s": 1.0, "ttft_p50_s": 1.0, "ttft_p95_s": 1.0,
          "tokens_recomputed": 0, "stalled": False, "requests_completed": 1, "requests_total": 1,
-         "cpu_tier_bytes": 1024, "cpu_tier_cached_tokens": 1, "cpu_tier_bytes_per_cached_token": 1024, "extra": {}}]}
+         "cpu_tier_bytes": 1024, "cpu_tier_cached_tokens": 1, "cpu_tier_bytes_per_cached_token": 1024,
+         "extra": {"cpu_tier_bytes_per_cached_token_without_spare": 1024}}]}
     r = sweep.ratios(cols)
     assert r["host_kib_per_cached_token"] == [3.0, 1.0]
     assert r["host_kib_per_cached_token_without_spare"] == [2.0, 1.0]

@@ -29,7 +29,8 @@ from typing import Any, Callable, Sequence
 from offload_bench.replay import MAX_ENGINES
 from offload_bench.replay.connectors import EngineSettings, ReplayEngine
 from offload_bench.replay.metrics import ConnectorResult, Recorder
-from offload_bench.replay.runner import RunOutput, phase_marks, record_phase, result_from_summary, select
+from offload_bench.replay.runner import (RunOutput, phase_marks, record_phase, result_from_summary, select,
+                                        spare_usage)
 from offload_bench.replay.timemodel import SimClock, TimeModel
 from offload_bench.replay.trace import PromptBuilder, TraceRecord, clip_to_model
 from offload_bench.replay.workloads import Workload
@@ -245,6 +246,8 @@ def _finish(column: str, engines: list[RouterEngine], pool: SimPool | None, tota
         "held_for_older": sum(x.counters.held_for_older for x in sides),
         "held_behind_load": sum(x.counters.held_behind_load for x in sides),
         "batches_in_flight": int(getattr(engines[0].eng.driver, "batch_depth", 1)),
+        # Every engine's spare windows, so the bytes per cached token without them are the whole pool's.
+        "cpu_tier_spare_bytes": sum(spare_usage(e.eng).get("cpu_tier_spare_bytes", 0) for e in engines),
         **_admission_check(sides),
     }
     if remotes:
@@ -292,6 +295,10 @@ def _f(fmt: str) -> Callable[[Any], str]:
 
 def _gib(v: float | None) -> str:
     return "-" if v is None else f"{v / 2**30:.1f} GiB"
+
+
+def _kib(v: float | None) -> str:
+    return "-" if v is None else f"{v / 1024:,.1f}"
 
 
 def _store_figures(pool: SimPool | None) -> dict[str, Any]:
@@ -346,6 +353,8 @@ ROWS: list[tuple[str, Callable[[ConnectorResult], Any], Callable[[Any], str]]] =
      f"{r.extra['shared_evictions']:,} / {_gib(r.extra['shared_evicted_bytes'])}", lambda v: v or "-"),
     ("shared store bytes held at the end", lambda r: r.extra.get("shared_store_bytes"), _gib),
     ("CPU tier bytes (all engines)", lambda r: r.cpu_tier_bytes, _gib),
+    ("  per cached token (KiB)", lambda r: r.cpu_tier_bytes_per_cached_token, _kib),
+    ("  without spare windows (KiB)", lambda r: r.extra.get("cpu_tier_bytes_per_cached_token_without_spare"), _kib),
     ("bytes loaded / stored (host<->GPU)",
      lambda r: f"{_gib(r.transfer_bytes_loaded)} / {_gib(r.transfer_bytes_stored)}", str),
     ("loads content-checked", lambda r: r.extra.get("loads_content_checked"), _f(",")),

@@ -137,7 +137,7 @@ def _finish(kind: str, eng: ReplayEngine, clock: SimClock, total: int, stall_ste
                # Simulated seconds forward passes waited for loads reported before they landed (ours, "ordered").
                "forward_wait_s": round(clock.forward_wait_s, 6),
                "loads_content_checked": eng.loads_content_checked(),
-               **_load_outcomes(eng), **_spec_outcomes(eng), **_spare_usage(eng),
+               **_load_outcomes(eng), **_spec_outcomes(eng), **spare_usage(eng),
                # Which groups' admission count sim/vllm_patched.py replaced (vllm-offloading-patched only).
                **({"admission_fix_groups": list(eng.patched_groups)} if eng.patched_groups else {})})
     return RunOutput(res, eng.recorder.series(), clock.now if stall_step is not None else None)
@@ -167,7 +167,7 @@ def result_from_summary(connector: str, s: dict[str, Any], *, total: int, simula
         cpu_tier_bytes_per_cached_token=(tier_bytes / tier_tokens) if tier_bytes and tier_tokens else None,
         transfer_bytes_loaded=loaded_bytes, transfer_bytes_stored=stored_bytes,
         stopped_reason=reason, wall_seconds=round(wall, 1), stall_dump=stall_dump,
-        extra={**extra, **_to_last_token(s, stall_step)},
+        extra={**extra, **_to_last_token(s, stall_step), **_without_spare(tier_bytes, tier_tokens, extra)},
         per_phase=s.get("per_phase") or {})
 
 
@@ -202,7 +202,17 @@ def _to_last_token(s: dict[str, Any], stall_step: int | None) -> dict[str, float
     return {"last_token_s": last, "output_tokens_per_s_to_last_token": s["output_tokens"] / last}
 
 
-def _spare_usage(eng: ReplayEngine) -> dict[str, int]:
+def _without_spare(tier_bytes: int | None, tier_tokens: int | None, extra: dict[str, Any]) -> dict[str, float]:
+    """Host bytes per cached token less the spare windows (`cpu_tier_spare_bytes`, ours only; a column without them
+    counts none): what the tier keeps once it is full. The one place the figure is computed; the tables and the
+    layout sweep read it from here."""
+    if not tier_bytes or not tier_tokens:
+        return {}
+    return {"cpu_tier_bytes_per_cached_token_without_spare":
+            (tier_bytes - extra.get("cpu_tier_spare_bytes", 0)) / tier_tokens}
+
+
+def spare_usage(eng: ReplayEngine) -> dict[str, int]:
     """Host bytes our CPU tier gives to spare windows at the end of the run: room no regular entry used, which any
     regular store takes back first. The tier's bytes per cached token count them; without them is what the tier keeps
     when it is full (the store points' budget)."""

@@ -30,13 +30,6 @@ def _share(part: int | None, whole: int | None) -> str:
     return f"{part:,} ({100 * part / whole:.1f}%)" if whole else f"{part:,}"
 
 
-def _without_spare(r: ConnectorResult) -> float | None:
-    """Host bytes per cached token less our spare windows (room nothing else used); other columns have none."""
-    if not r.cpu_tier_bytes or not r.cpu_tier_cached_tokens:
-        return None
-    return (r.cpu_tier_bytes - r.extra.get("cpu_tier_spare_bytes", 0)) / r.cpu_tier_cached_tokens
-
-
 ROWS: list[tuple[str, Callable[[ConnectorResult], Any], Callable[[Any], str]]] = [
     ("stalled", lambda r: r.stalled, str),
     ("first_stall_step", lambda r: r.first_stall_step, _f(",")),
@@ -64,7 +57,7 @@ ROWS: list[tuple[str, Callable[[ConnectorResult], Any], Callable[[Any], str]]] =
                                                                r.extra.get("cpu_hit_tokens")), str),
     ("CPU tier bytes", lambda r: r.cpu_tier_bytes, _bytes),
     ("CPU tier bytes / cached token", lambda r: r.cpu_tier_bytes_per_cached_token, _bytes),
-    ("  without spare windows", lambda r: _without_spare(r), _bytes),
+    ("  without spare windows", lambda r: r.extra.get("cpu_tier_bytes_per_cached_token_without_spare"), _bytes),
     ("bytes loaded / stored", lambda r: f"{_bytes(r.transfer_bytes_loaded)} / {_bytes(r.transfer_bytes_stored)}",
      str),
     ("loads content-checked", lambda r: r.extra.get("loads_content_checked"), _f(",")),

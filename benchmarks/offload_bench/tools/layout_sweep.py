@@ -118,10 +118,8 @@ def ratios(data: dict[str, Any]) -> dict[str, Any]:
 
 
 def _without_spare_kib(col: dict[str, Any]) -> float | None:
-    if not col["cpu_tier_bytes"] or not col["cpu_tier_cached_tokens"]:
-        return None
-    spare = col.get("extra", {}).get("cpu_tier_spare_bytes", 0)
-    return round((col["cpu_tier_bytes"] - spare) / col["cpu_tier_cached_tokens"] / 1024, 1)
+    value = col.get("extra", {}).get("cpu_tier_bytes_per_cached_token_without_spare")
+    return None if value is None else round(value / 1024, 1)
 
 
 def out_of_bounds(row: dict[str, Any]) -> list[str]:
