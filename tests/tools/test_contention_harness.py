@@ -77,3 +77,15 @@ def test_resume_counts_the_runs_already_there(tmp_path):
     other = subprocess.run([*base[:-1], "tests/unit/test_shared_auth.py", "--runs", "3", "--resume"], cwd=ROOT,
                            capture_output=True, text=True, timeout=60)
     assert other.returncode == 2 and "different --tests" in other.stderr, other.stderr
+
+
+def test_the_default_selection_names_tests_that_exist():
+    """The default is the selection the project's runs use (docs/results/contention/) and the equality tests added
+    after it: every file and test function it names is there, so a rename cannot drop a test from it unseen."""
+    assert "tests/engine/test_hybrid_engine.py" in contention.DEFAULT_TESTS
+    for node in contention.DEFAULT_TESTS:
+        path, _, name = node.partition("::")
+        source = (ROOT / path).read_text()
+        assert not name or f"def {name}(" in source, node
+    main = json.loads((ROOT / "docs" / "results" / "contention" / "summary.json").read_text())["tests"]
+    assert set(main) <= set(contention.DEFAULT_TESTS)

