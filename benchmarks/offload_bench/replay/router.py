@@ -31,6 +31,7 @@ from offload_bench.replay.connectors import EngineSettings, ReplayEngine
 from offload_bench.replay.metrics import ConnectorResult, Recorder
 from offload_bench.replay.runner import (RunOutput, phase_marks, record_phase, result_from_summary, select,
                                         spare_usage)
+from offload_bench.replay.table import fmt, fmt_bytes
 from offload_bench.replay.timemodel import SimClock, TimeModel
 from offload_bench.replay.trace import PromptBuilder, TraceRecord, clip_to_model
 from offload_bench.replay.workloads import Workload
@@ -289,16 +290,8 @@ def run_router(workload: Workload, cfg: RouterConfig, progress: Progress | None 
 
 
 # ------------------------------------------------------------------------------------------------- the table
-def _f(fmt: str) -> Callable[[Any], str]:
-    return lambda v: "-" if v is None else format(v, fmt)
-
-
 def _gib(v: float | None) -> str:
     return "-" if v is None else f"{v / 2**30:.1f} GiB"
-
-
-def _kib(v: float | None) -> str:
-    return "-" if v is None else f"{v / 1024:,.1f}"
 
 
 def _store_figures(pool: SimPool | None) -> dict[str, Any]:
@@ -331,16 +324,16 @@ ROWS: list[tuple[str, Callable[[ConnectorResult], Any], Callable[[Any], str]]] =
     ("requests completed/total", lambda r: f"{r.requests_completed}/{r.requests_total}", str),
     ("  per engine", lambda r: " + ".join(f"{c}/{n}" for c, n in zip(r.extra["per_engine_completed"],
                                                                      r.extra["per_engine_requests"])), str),
-    ("simulated seconds", lambda r: r.simulated_seconds, _f(",.1f")),
-    ("output tokens / sim s", lambda r: r.output_tokens_per_s, _f(",.1f")),
-    ("TTFT p50 (s)", lambda r: r.ttft_p50_s, _f(".3f")),
-    ("TTFT p95 (s)", lambda r: r.ttft_p95_s, _f(".3f")),
-    ("tokens loaded", lambda r: r.extra["tokens_loaded_total"], _f(",")),
-    ("  from the CPU tiers", lambda r: r.tokens_loaded_from_cpu, _f(",")),
-    ("  from the shared tier", lambda r: r.extra.get("tokens_loaded_from_shared"), _f(",")),
-    ("tokens recomputed", lambda r: r.tokens_recomputed, _f(",")),
-    ("prompt tokens computed", lambda r: r.prompt_tokens_computed, _f(",")),
-    ("admission deferrals", lambda r: r.admission_deferrals, _f(",")),
+    ("simulated seconds", lambda r: r.simulated_seconds, fmt(",.1f")),
+    ("output tokens / sim s", lambda r: r.output_tokens_per_s, fmt(",.1f")),
+    ("TTFT p50 (s)", lambda r: r.ttft_p50_s, fmt(".3f")),
+    ("TTFT p95 (s)", lambda r: r.ttft_p95_s, fmt(".3f")),
+    ("tokens loaded", lambda r: r.extra["tokens_loaded_total"], fmt(",")),
+    ("  from the CPU tiers", lambda r: r.tokens_loaded_from_cpu, fmt(",")),
+    ("  from the shared tier", lambda r: r.extra.get("tokens_loaded_from_shared"), fmt(",")),
+    ("tokens recomputed", lambda r: r.tokens_recomputed, fmt(",")),
+    ("prompt tokens computed", lambda r: r.prompt_tokens_computed, fmt(",")),
+    ("admission deferrals", lambda r: r.admission_deferrals, fmt(",")),
     ("admissions checked / mispredicted", lambda r: f"{r.extra['admissions_checked']:,} / "
                                                     f"{r.extra['admission_mismatches']:,}", str),
     ("shared tier blocks written / fetched", lambda r: None if "shared_blocks_written" not in r.extra else
@@ -353,13 +346,14 @@ ROWS: list[tuple[str, Callable[[ConnectorResult], Any], Callable[[Any], str]]] =
      f"{r.extra['shared_evictions']:,} / {_gib(r.extra['shared_evicted_bytes'])}", lambda v: v or "-"),
     ("shared store bytes held at the end", lambda r: r.extra.get("shared_store_bytes"), _gib),
     ("CPU tier bytes (all engines)", lambda r: r.cpu_tier_bytes, _gib),
-    ("  per cached token (KiB)", lambda r: r.cpu_tier_bytes_per_cached_token, _kib),
-    ("  without spare windows (KiB)", lambda r: r.extra.get("cpu_tier_bytes_per_cached_token_without_spare"), _kib),
+    ("  per cached token", lambda r: r.cpu_tier_bytes_per_cached_token, fmt_bytes),
+    ("  without spare windows", lambda r: r.extra.get("cpu_tier_bytes_per_cached_token_without_spare"),
+     fmt_bytes),
     ("bytes loaded / stored (host<->GPU)",
      lambda r: f"{_gib(r.transfer_bytes_loaded)} / {_gib(r.transfer_bytes_stored)}", str),
-    ("loads content-checked", lambda r: r.extra.get("loads_content_checked"), _f(",")),
-    ("steps (all engines)", lambda r: r.steps, _f(",")),
-    ("wall seconds (replay loop)", lambda r: r.wall_seconds, _f(".1f")),
+    ("loads content-checked", lambda r: r.extra.get("loads_content_checked"), fmt(",")),
+    ("steps (all engines)", lambda r: r.steps, fmt(",")),
+    ("wall seconds (replay loop)", lambda r: r.wall_seconds, fmt(".1f")),
 ]
 
 

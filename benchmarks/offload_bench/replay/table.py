@@ -7,15 +7,15 @@ from typing import Any, Callable
 from offload_bench.replay.metrics import ConnectorResult
 
 
-def _f(fmt: str) -> Callable[[Any], str]:
-    return lambda v: "-" if v is None else format(v, fmt)
+def fmt(spec: str) -> Callable[[Any], str]:
+    return lambda v: "-" if v is None else format(v, spec)
 
 
 def _pct(v: float | None) -> str:
     return "-" if v is None else f"{100 * v:.1f}%"
 
 
-def _bytes(v: float | None) -> str:
+def fmt_bytes(v: float | None) -> str:
     if v is None:
         return "-"
     for unit, div in (("GiB", 2**30), ("MiB", 2**20), ("KiB", 2**10)):
@@ -32,36 +32,36 @@ def _share(part: int | None, whole: int | None) -> str:
 
 ROWS: list[tuple[str, Callable[[ConnectorResult], Any], Callable[[Any], str]]] = [
     ("stalled", lambda r: r.stalled, str),
-    ("first_stall_step", lambda r: r.first_stall_step, _f(",")),
+    ("first_stall_step", lambda r: r.first_stall_step, fmt(",")),
     ("requests completed/total", lambda r: f"{r.requests_completed}/{r.requests_total}", str),
-    ("simulated seconds", lambda r: r.simulated_seconds, _f(",.1f")),
-    ("steps", lambda r: r.steps, _f(",")),
+    ("simulated seconds", lambda r: r.simulated_seconds, fmt(",.1f")),
+    ("steps", lambda r: r.steps, fmt(",")),
     ("output tokens / sim s", lambda r: (r.output_tokens_per_s, r.stalled),
      lambda v: f"{v[0]:,.1f}" + (" (to stall)" if v[1] else "")),
-    ("  to the last output token", lambda r: r.extra.get("output_tokens_per_s_to_last_token"), _f(",.1f")),
-    ("TTFT p50 (s)", lambda r: r.ttft_p50_s, _f(".3f")),
-    ("TTFT p95 (s)", lambda r: r.ttft_p95_s, _f(".3f")),
-    ("tokens loaded from CPU", lambda r: r.tokens_loaded_from_cpu, _f(",")),
-    ("tokens recomputed", lambda r: r.tokens_recomputed, _f(",")),
-    ("  of which were in CPU tier", lambda r: r.recomputed_tokens_in_cpu, _f(",")),
-    ("  of which restorable", lambda r: r.recomputed_restorable, _f(",")),
-    ("prompt tokens computed", lambda r: r.prompt_tokens_computed, _f(",")),
+    ("  to the last output token", lambda r: r.extra.get("output_tokens_per_s_to_last_token"), fmt(",.1f")),
+    ("TTFT p50 (s)", lambda r: r.ttft_p50_s, fmt(".3f")),
+    ("TTFT p95 (s)", lambda r: r.ttft_p95_s, fmt(".3f")),
+    ("tokens loaded from CPU", lambda r: r.tokens_loaded_from_cpu, fmt(",")),
+    ("tokens recomputed", lambda r: r.tokens_recomputed, fmt(",")),
+    ("  of which were in CPU tier", lambda r: r.recomputed_tokens_in_cpu, fmt(",")),
+    ("  of which restorable", lambda r: r.recomputed_restorable, fmt(",")),
+    ("prompt tokens computed", lambda r: r.prompt_tokens_computed, fmt(",")),
     ("GPU pool util mean", lambda r: r.gpu_pool_util_mean, _pct),
     ("GPU pool util p95", lambda r: r.gpu_pool_util_p95, _pct),
-    ("admission deferrals", lambda r: r.admission_deferrals, _f(",")),
-    ("  of which held for an older load", lambda r: r.extra.get("held_for_older"), _f(",")),
-    ("  of which held behind a load in flight", lambda r: r.extra.get("held_behind_load"), _f(",")),
-    ("CPU-hit tokens at first lookup", lambda r: r.extra.get("cpu_hit_tokens"), _f(",")),
+    ("admission deferrals", lambda r: r.admission_deferrals, fmt(",")),
+    ("  of which held for an older load", lambda r: r.extra.get("held_for_older"), fmt(",")),
+    ("  of which held behind a load in flight", lambda r: r.extra.get("held_behind_load"), fmt(",")),
+    ("CPU-hit tokens at first lookup", lambda r: r.extra.get("cpu_hit_tokens"), fmt(",")),
     ("  aged out (recomputed)", lambda r: _share(r.extra.get("aged_out_tokens"), r.extra.get("cpu_hit_tokens")), str),
     ("  too big for the pool (recomputed)", lambda r: _share(r.extra.get("too_big_tokens"),
                                                                r.extra.get("cpu_hit_tokens")), str),
-    ("CPU tier bytes", lambda r: r.cpu_tier_bytes, _bytes),
-    ("CPU tier bytes / cached token", lambda r: r.cpu_tier_bytes_per_cached_token, _bytes),
-    ("  without spare windows", lambda r: r.extra.get("cpu_tier_bytes_per_cached_token_without_spare"), _bytes),
-    ("bytes loaded / stored", lambda r: f"{_bytes(r.transfer_bytes_loaded)} / {_bytes(r.transfer_bytes_stored)}",
+    ("CPU tier bytes", lambda r: r.cpu_tier_bytes, fmt_bytes),
+    ("CPU tier bytes / cached token", lambda r: r.cpu_tier_bytes_per_cached_token, fmt_bytes),
+    ("  without spare windows", lambda r: r.extra.get("cpu_tier_bytes_per_cached_token_without_spare"), fmt_bytes),
+    ("bytes loaded / stored", lambda r: f"{fmt_bytes(r.transfer_bytes_loaded)} / {fmt_bytes(r.transfer_bytes_stored)}",
      str),
-    ("loads content-checked", lambda r: r.extra.get("loads_content_checked"), _f(",")),
-    ("wall seconds (replay loop)", lambda r: r.wall_seconds, _f(".1f")),
+    ("loads content-checked", lambda r: r.extra.get("loads_content_checked"), fmt(",")),
+    ("wall seconds (replay loop)", lambda r: r.wall_seconds, fmt(".1f")),
 ]
 
 
@@ -72,8 +72,8 @@ def render(results: list[ConnectorResult], spec: list[tuple[str, Callable[[Conne
     (`per_group`)."""
     head = ["metric"] + [r.connector for r in results]
     rows = [head]
-    for label, get, fmt in (ROWS if spec is None else spec):
-        rows.append([label] + [fmt(get(r)) for r in results])
+    for label, get, show in (ROWS if spec is None else spec):
+        rows.append([label] + [show(get(r)) for r in results])
     groups = sorted({g for r in results for g in r.gpu_pool_util_per_group}) if per_group else []
     for g in groups:
         rows.append([f"  pool {g} mean/p95"] + [
@@ -108,8 +108,8 @@ def render_phases(results: list[ConnectorResult]) -> str:
         for r in results:
             f = r.per_phase.get(phase)
             cells.append("-" if f is None else
-                         f"{f['loaded_tokens']:,} / {f['recomputed_tokens']:,} / {_f('.3f')(f['ttft_p50_s'])} / "
-                         f"{_f('.3f')(f['ttft_p95_s'])}")
+                         f"{f['loaded_tokens']:,} / {f['recomputed_tokens']:,} / {fmt('.3f')(f['ttft_p50_s'])} / "
+                         f"{fmt('.3f')(f['ttft_p95_s'])}")
         rows.append([phase, "/".join(f"{c:,}" for c in sorted(counts))] + cells)
     return "\n".join(["per phase: prompt tokens loaded by the connector / tokens recomputed / TTFT p50 s / TTFT p95 s",
                       *_grid(rows)])
