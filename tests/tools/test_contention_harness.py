@@ -50,7 +50,7 @@ def test_one_run_beside_a_burner(tmp_path):
 
 
 def test_bad_arguments_are_one_line_and_exit_2():
-    for argv in (["--runs", "0"], ["--burners", "-1"], ["--tests", "tests/nope.py"], ["--bogus"]):
+    for argv in (["--runs", "0"], ["--burners", "-1"], ["--tests", "tests/nope.py"], ["--bogus"], ["--kv-trace", "maybe"]):
         proc = subprocess.run([sys.executable, "-m", "offload_bench", "contention", *argv], cwd=ROOT,
                               capture_output=True, text=True, timeout=60)
         assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, (argv, proc.stderr)
@@ -77,6 +77,25 @@ def test_resume_counts_the_runs_already_there(tmp_path):
     other = subprocess.run([*base[:-1], "tests/unit/test_shared_auth.py", "--runs", "3", "--resume"], cwd=ROOT,
                            capture_output=True, text=True, timeout=60)
     assert other.returncode == 2 and "different --tests" in other.stderr, other.stderr
+    untraced = subprocess.run([*base, "--runs", "3", "--resume", "--kv-trace", "off"], cwd=ROOT, capture_output=True,
+                              text=True, timeout=60)
+    assert untraced.returncode == 2 and "--kv-trace on, not off" in untraced.stderr, untraced.stderr
+    assert summary["kv_trace"] == "on" and record["kv_trace"] is True
+
+
+def test_kv_trace_off_runs_the_engines_without_the_trace(tmp_path, monkeypatch):
+    """The trace's hashing changes the timing a race depends on, so `--kv-trace off` must really take it away, even
+    when the caller's own environment has it set."""
+    seen = tmp_path / "seen"
+    fake = tmp_path / "python"
+    fake.write_text(f"#!/bin/sh\necho \"${{OC_KV_TRACE-unset}}\" >> {seen}\n")
+    fake.chmod(0o755)
+    monkeypatch.setenv("OC_KV_TRACE", "1")
+    test = "tests/unit/test_shared_auth.py::test_derive_mac_key"
+    off = contention.run_once(1, [test], tmp_path / "out", str(fake), 60, kv_trace=False)
+    on = contention.run_once(2, [test], tmp_path / "out", str(fake), 60, kv_trace=True)
+    assert seen.read_text().split() == ["unset", "1"]
+    assert off["kv_trace"] is False and on["kv_trace"] is True
 
 
 def test_the_default_selection_names_tests_that_exist():

