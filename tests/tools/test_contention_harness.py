@@ -50,7 +50,8 @@ def test_one_run_beside_a_burner(tmp_path):
 
 
 def test_bad_arguments_are_one_line_and_exit_2():
-    for argv in (["--runs", "0"], ["--burners", "-1"], ["--tests", "tests/nope.py"], ["--bogus"], ["--kv-trace", "maybe"]):
+    for argv in (["--runs", "0"], ["--burners", "-1"], ["--tests", "tests/nope.py"], ["--bogus"],
+                 ["--kv-trace", "maybe"]):
         proc = subprocess.run([sys.executable, "-m", "offload_bench", "contention", *argv], cwd=ROOT,
                               capture_output=True, text=True, timeout=60)
         assert proc.returncode == 2 and len(proc.stderr.strip().splitlines()) == 1, (argv, proc.stderr)
