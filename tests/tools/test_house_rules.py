@@ -190,16 +190,12 @@ print(json.dumps({"file": getattr(kernels, "__file__", None), "hub": hub, "ours"
 
 
 def _probe(extra_path: Path | None) -> dict:
-    # Run in the repository root, where the top-level name finds kernels/ (the script's directory is sys.path[0]).
-    script = ROOT / ".probe_kernels_name.py"
+    # Run in the repository root, where the top-level name finds kernels/ (`-c` puts the working directory first on
+    # sys.path), with nothing else of ours on the path.
     env = {k: v for k, v in __import__("os").environ.items() if k != "PYTHONPATH"}
     env["PYTHONPATH"] = str(extra_path) if extra_path else ""
-    try:
-        script.write_text(_PROBE)
-        done = subprocess.run([sys.executable, str(script)], cwd=ROOT, env=env, capture_output=True, text=True,
-                              timeout=300)
-    finally:
-        script.unlink(missing_ok=True)
+    done = subprocess.run([sys.executable, "-c", _PROBE], cwd=ROOT, env=env, capture_output=True, text=True,
+                          timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
