@@ -119,6 +119,9 @@ def test_the_load_path_walk_lists_the_files_a_load_enters(tmp_path: Path) -> Non
     lookup = hooks["offload_connector/connector.py:get_num_new_matched_tokens"]
     assert lookup.get("offload_connector/scheduler/admission.py", 0) > 0 and lookup.get(
         "offload_connector/scheduler/ledger.py", 0) > 0, lookup
+    # A ceiling, not the goal: issue "A house for the next engineer" asks for 12 files; the walk entered 22 when it
+    # was last counted (17 through the load's own hooks). A change that spreads the load over more files fails here.
+    assert len(files) <= 22, sorted(files)
 
 
 def test_results_that_cannot_be_written_after_a_run_are_one_line_and_exit_1(capsys):
