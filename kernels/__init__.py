@@ -18,9 +18,12 @@ if __name__ == "kernels":
     import sys as _sys
     import types as _types
 
-    _root = _os.path.dirname(_os.path.dirname(_os.path.abspath(__file__)))
+    _here = _os.path.realpath(__file__)
+    _root = _os.path.dirname(_os.path.dirname(_here))
     _spec = _machinery.PathFinder.find_spec(
-        "kernels", [p for p in _sys.path if _os.path.abspath(p or _os.getcwd()) != _root])
+        "kernels", [p for p in _sys.path if _os.path.realpath(p or _os.getcwd()) != _root])
+    if _spec is not None and _spec.origin and _os.path.realpath(_spec.origin) == _here:
+        _spec = None  # this directory again, through another path (a second checkout entry): never load it twice
     if _spec is not None and _spec.loader is not None:
         _other = _util.module_from_spec(_spec)
         _sys.modules["kernels"] = _other  # the import returns what sys.modules holds once this body has run

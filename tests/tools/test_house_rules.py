@@ -13,6 +13,7 @@ from __future__ import annotations
 import ast
 import io
 import json
+import os
 import re
 import subprocess
 import sys
@@ -189,25 +190,28 @@ print(json.dumps({"file": getattr(kernels, "__file__", None), "hub": hub, "ours"
 """
 
 
-def _probe(extra_path: Path | None) -> dict:
+def _probe(*extra_paths: Path) -> dict:
     # Run in the repository root, where the top-level name finds kernels/ (`-c` puts the working directory first on
     # sys.path), with nothing else of ours on the path.
-    env = {k: v for k, v in __import__("os").environ.items() if k != "PYTHONPATH"}
-    env["PYTHONPATH"] = str(extra_path) if extra_path else ""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env["PYTHONPATH"] = os.pathsep.join(str(p) for p in extra_paths)
     done = subprocess.run([sys.executable, "-c", _PROBE], cwd=ROOT, env=env, capture_output=True, text=True,
                           timeout=300)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def test_the_kernels_directory_is_not_hugging_faces_kernels_package() -> None:
+def test_the_kernels_directory_is_not_hugging_faces_kernels_package(tmp_path: Path) -> None:
     """Without Hugging Face's `kernels` installed, the top-level name finds nothing usable (transformers reads it as
-    absent) and none of our modules is imported a second time under it; the connector's kernels load as always."""
+    absent) and none of our modules is imported a second time under it; the connector's kernels load as always. The
+    repository a second time on sys.path, through a symlink, is not taken for another `kernels` (it would import
+    itself again, without end)."""
     import importlib.machinery
-    import os
+    link = tmp_path / "checkout"
+    link.symlink_to(ROOT)
     installed = importlib.machinery.PathFinder.find_spec(
         "kernels", [p for p in sys.path if os.path.abspath(p or os.getcwd()) != str(ROOT)])
-    seen = _probe(None)
+    seen = _probe(link)
     if installed is None:
         assert seen["file"] is None and seen["hub"] is False, seen
     else:  # this environment has Hugging Face's: it is what the name finds
