@@ -18,12 +18,15 @@ if __name__ == "kernels":
     import sys as _sys
     import types as _types
 
-    _here = _os.path.realpath(__file__)
-    _root = _os.path.dirname(_os.path.dirname(_here))
-    _spec = _machinery.PathFinder.find_spec(
-        "kernels", [p for p in _sys.path if _os.path.realpath(p or _os.getcwd()) != _root])
-    if _spec is not None and _spec.origin and _os.path.realpath(_spec.origin) == _here:
-        _spec = None  # this directory again, through another path (a second checkout entry): never load it twice
+    def _not_a_checkout(spec: _machinery.ModuleSpec | None) -> bool:
+        # This project's kernels/ (this checkout through another path, e.g. a symlink, or another checkout) sits next
+        # to offload_connector/: loading one of those under this name would step aside again, without end.
+        origin = spec.origin if spec is not None else None
+        return spec is not None and not (origin and _os.path.isfile(_os.path.join(
+            _os.path.dirname(_os.path.dirname(origin)), "offload_connector", "__init__.py")))
+
+    _spec = next((s for s in (_machinery.PathFinder.find_spec("kernels", [p]) for p in _sys.path if isinstance(p, str))
+                  if _not_a_checkout(s)), None)
     if _spec is not None and _spec.loader is not None:
         _other = _util.module_from_spec(_spec)
         _sys.modules["kernels"] = _other  # the import returns what sys.modules holds once this body has run

@@ -204,14 +204,20 @@ def _probe(*extra_paths: Path) -> dict:
 def test_the_kernels_directory_is_not_hugging_faces_kernels_package(tmp_path: Path) -> None:
     """Without Hugging Face's `kernels` installed, the top-level name finds nothing usable (transformers reads it as
     absent) and none of our modules is imported a second time under it; the connector's kernels load as always. The
-    repository a second time on sys.path, through a symlink, is not taken for another `kernels` (it would import
-    itself again, without end)."""
+    repository a second time on sys.path, through a symlink, and another checkout of it are not taken for another
+    `kernels` (each would step aside again, without end)."""
     import importlib.machinery
+    import shutil
     link = tmp_path / "checkout"
     link.symlink_to(ROOT)
+    other = tmp_path / "other-checkout"
+    (other / "offload_connector").mkdir(parents=True)
+    (other / "offload_connector" / "__init__.py").write_text("")
+    (other / "kernels").mkdir()
+    shutil.copy(ROOT / "kernels" / "__init__.py", other / "kernels" / "__init__.py")
     installed = importlib.machinery.PathFinder.find_spec(
         "kernels", [p for p in sys.path if os.path.abspath(p or os.getcwd()) != str(ROOT)])
-    seen = _probe(link)
+    seen = _probe(link, other)
     if installed is None:
         assert seen["file"] is None and seen["hub"] is False, seen
     else:  # this environment has Hugging Face's: it is what the name finds
