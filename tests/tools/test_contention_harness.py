@@ -82,6 +82,9 @@ def test_resume_counts_the_runs_already_there(tmp_path):
                               text=True, timeout=60)
     assert untraced.returncode == 2 and "--kv-trace on, not off" in untraced.stderr, untraced.stderr
     assert summary["kv_trace"] == "on" and record["kv_trace"] is True
+    (out / "summary.json").write_text("garbage{")
+    broken = subprocess.run([*base, "--runs", "3", "--resume"], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert broken.returncode == 2 and "cannot read" in broken.stderr and "Traceback" not in broken.stderr, broken.stderr
 
 
 def test_kv_trace_off_runs_the_engines_without_the_trace(tmp_path, monkeypatch):

@@ -255,13 +255,19 @@ def main(argv: list[str] | None = None) -> int:
     runs: list[dict[str, Any]] = []
     if args.resume:
         earlier = finished_runs(out)
-        previous = out / "summary.json"
-        if earlier and previous.exists() and json.loads(previous.read_text()).get("tests") != args.tests:
+        summary_path = out / "summary.json"
+        try:
+            previous = json.loads(summary_path.read_text()) if earlier and summary_path.exists() else None
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+            return fail("offload-connector contention", f"--resume: cannot read {summary_path}: {exc}")
+        if previous is not None and not isinstance(previous, dict):
+            return fail("offload-connector contention", f"--resume: {summary_path} is not a harness summary")
+        if previous is not None and previous.get("tests") != args.tests:
             return fail("offload-connector contention", f"--resume: {out} holds runs of a different --tests selection")
-        # Runs before the option existed all had the trace on.
-        if earlier and previous.exists() and json.loads(previous.read_text()).get("kv_trace", "on") != args.kv_trace:
-            return fail("offload-connector contention", f"--resume: {out} holds runs with --kv-trace "
-                        f"{json.loads(previous.read_text()).get('kv_trace', 'on')}, not {args.kv_trace}")
+        traced = previous.get("kv_trace", "on") if previous is not None else args.kv_trace  # older runs: all on
+        if traced != args.kv_trace:
+            return fail("offload-connector contention",
+                        f"--resume: {out} holds runs with --kv-trace {traced}, not {args.kv_trace}")
         runs.extend(earlier)
         if bar is not None:
             bar.update(min(len(runs), args.runs))
