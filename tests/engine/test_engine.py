@@ -143,10 +143,10 @@ def test_a_prompt_ending_on_a_block_boundary_loads_whole_and_matches_recompute(b
                                                                                last_token_alone: dict) -> None:
     """Hit whole, not a block short (`lookup.hit_upper`): vLLM takes all 576 tokens as loaded and computes the last
     one again over the loaded window. The greedy tokens are the recomputed ones. The log-probabilities are those of
-    the recompute whose last prompt token was computed alone, bit for bit: vLLM computes a one-token query down
-    another path than a longer prefill chunk, so they differ from the 128-token chunks' in the last bits (by up to
+    the recompute whose last prompt token was computed alone, bit for bit: vLLM computes a one-token step through
+    other kernels than a longer prefill chunk, so they differ from the 128-token chunks' in the last bits (by up to
     0.008 in a measured control without any connector: a 577-token prompt in chunks of 64, whose last chunk is one
-    token, against chunks of 128), which no load can change."""
+    token, against chunks of 128; 576 and 578 tokens are bit-identical), which no load can change."""
     got = output_of(offloaded, "resend")
     assert got["external_tokens"] == PREFIX, got
     assert got["token_ids"] == output_of(baseline, "resend")["token_ids"]

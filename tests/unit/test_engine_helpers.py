@@ -1,0 +1,42 @@
+"""The real-engine tests' output comparison (`tests/engine_helpers.assert_same_output`): greedy tokens and top-k
+log-probabilities, bit for bit."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+
+from tests.engine_helpers import assert_same_output
+
+REF = {"token_ids": [5, 9, 7], "logprobs": [[[5, -0.25], [3, -1.5]], [[9, -0.5], [2, -0.75]], [[7, -1.0], [1, -2.0]]]}
+
+
+def _copy(out: dict) -> dict:
+    return {"token_ids": list(out["token_ids"]), "logprobs": [[list(e) for e in s] for s in out["logprobs"]]}
+
+
+def test_identical_outputs_pass() -> None:
+    assert_same_output(_copy(REF), REF)
+    assert_same_output({"token_ids": [1, 2]}, {"token_ids": [1, 2]})  # neither engine returned log-probabilities
+
+
+def test_a_different_token_names_its_index() -> None:
+    got = _copy(REF)
+    got["token_ids"][1] = 2
+    with pytest.raises(AssertionError, match="reload: tokens differ from index 1"):
+        assert_same_output(got, REF, "reload")
+    with pytest.raises(AssertionError, match="tokens differ from index 2"):  # one output stopped early
+        assert_same_output({**_copy(REF), "token_ids": [5, 9]}, REF)
+
+
+def test_the_same_tokens_with_a_log_probability_one_ulp_apart_fail() -> None:
+    got = _copy(REF)
+    got["logprobs"][2][1][1] = math.nextafter(-2.0, 0.0)  # the runner-up of the last token, in its last bit
+    with pytest.raises(AssertionError, match="same tokens, log-probabilities differ from token 2"):
+        assert_same_output(got, REF)
+
+
+def test_log_probabilities_in_one_output_only_fail() -> None:
+    with pytest.raises(AssertionError, match="one output only"):
+        assert_same_output({"token_ids": REF["token_ids"]}, REF)
