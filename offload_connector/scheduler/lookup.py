@@ -50,7 +50,9 @@ def hit_upper(groups: Sequence[GroupInfo], num_tokens: int, alignment: int) -> i
     below each window there) and the token recomputed attends from the window at `num_tokens - 1`. That holds
     where both windows start in the same block: a sliding window unless it starts on the boundary; never a chunk
     that ends with the prompt (vLLM would null the whole chunk), never recurrent state (the state before the last
-    token is not kept)."""
+    token is not kept). The price is in the last bits: vLLM computes a one-token step through other kernels than a
+    longer chunk, so the output's log-probabilities are those of a recompute whose last token is computed alone
+    (the greedy tokens the same in the real-engine tests), not of one in longer chunks."""
     if num_tokens <= 0 or num_tokens % alignment:
         return num_tokens - 1
     for g in groups:

