@@ -119,9 +119,25 @@ def test_the_load_path_walk_lists_the_files_a_load_enters(tmp_path: Path) -> Non
     lookup = hooks["offload_connector/connector.py:get_num_new_matched_tokens"]
     assert lookup.get("offload_connector/scheduler/admission.py", 0) > 0 and lookup.get(
         "offload_connector/scheduler/ledger.py", 0) > 0, lookup
+    # The reader's walk of the load's scheduler-side hooks: every stop is a file the load entered.
+    for hook in ("offload_connector/connector.py:get_num_new_matched_tokens",
+                 "offload_connector/connector.py:update_state_after_alloc"):
+        walked = walk["scheduler_stops"][hook]
+        assert 1 < walked["stops"] and walked["returns"] < walked["stops"], walked
+        assert set(walked["returned_to"]) <= set(files), walked
+        assert f"{hook}: {walked['stops']} stops, {walked['returns']} returns" in done.stdout
     # A ceiling, not the goal: issue "A house for the next engineer" asks for 12 files; the walk entered 22 when it
     # was last counted (17 through the load's own hooks). A change that spreads the load over more files fails here.
     assert len(files) <= 22, sorted(files)
+
+
+def test_the_readers_walk_counts_stops_and_returns() -> None:
+    from offload_bench.tools.load_path import stops
+
+    walk = [("a.py", "f"), ("a.py", "g"), ("b.py", "h"), ("c.py", "i"), ("b.py", "j"), ("a.py", "k")]
+    assert stops(walk) == (5, ["b.py", "a.py"])  # a, b, c, b, a: two returns
+    assert stops([("a.py", "f"), ("b.py", "g")]) == (2, [])
+    assert stops([]) == (0, [])
 
 
 def test_results_that_cannot_be_written_after_a_run_are_one_line_and_exit_1(capsys):
