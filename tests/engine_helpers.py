@@ -109,8 +109,9 @@ def assert_same_output(got: dict[str, Any], ref: dict[str, Any], what: str = "")
     if (la is None) != (lb is None):
         raise AssertionError(f"{tag}log-probabilities in one output only ({'got' if la is not None else 'ref'})")
     if la != lb:
-        i = next(i for i, (x, y) in enumerate(zip(la, lb)) if x != y)
-        raise AssertionError(f"{tag}same tokens, log-probabilities differ from token {i}: {la[i]} against {lb[i]}")
+        i = next((i for i, (x, y) in enumerate(zip(la, lb)) if x != y), min(len(la), len(lb)))
+        x, y = (la[i] if i < len(la) else None), (lb[i] if i < len(lb) else None)
+        raise AssertionError(f"{tag}same tokens, log-probabilities differ from token {i}: {x} against {y}")
 
 
 def output_of(res: dict[str, Any], rid: str) -> dict[str, Any]:

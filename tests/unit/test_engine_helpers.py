@@ -37,6 +37,13 @@ def test_the_same_tokens_with_a_log_probability_one_ulp_apart_fail() -> None:
         assert_same_output(got, REF)
 
 
+def test_a_missing_log_probability_entry_fails() -> None:
+    got = _copy(REF)
+    del got["logprobs"][2]
+    with pytest.raises(AssertionError, match="differ from token 2: None against"):
+        assert_same_output(got, REF)
+
+
 def test_log_probabilities_in_one_output_only_fail() -> None:
     with pytest.raises(AssertionError, match="one output only"):
         assert_same_output({"token_ids": REF["token_ids"]}, REF)
