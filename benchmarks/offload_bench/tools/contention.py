@@ -14,8 +14,8 @@ afterwards; every engine runs with OC_KV_TRACE (tests/engine_helpers.py), so a K
 request holds it fails the run even when no greedy token flips (`DIR/run-007/engines/...`). `--kv-trace off` runs
 the engines as CI and users do: the trace hashes blocks before each step and inside every forward, which changes the
 timing it watches, so a race it hides can only show with it off (then a changed log-probability or a flipped
-token, not the changed block itself, is caught). The summary is `DIR/summary.json`. The project's own runs are gathered in
-`docs/results/contention/` (`--out docs/results/contention --resume`).
+token, not the changed block itself, is caught). The summary is `DIR/summary.json`. The project's own runs are
+gathered in `docs/results/contention/` (`--out docs/results/contention --resume`).
 
     bash scripts/contention --runs 20 --burners 3 --out results/contention
     bash scripts/contention --runs 5 --tests tests/engine/test_shared_engine.py
