@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).parent))
-from attention_under_load import BLOCK, HEADS, KV_HEADS, attend, ops  # noqa: E402
+from attention_under_load import BLOCK, HEADS, KV_HEADS, attend, batch  # noqa: E402
 
 torch.manual_seed(0)
 for head_dim, window in ((32, 64), (64, -1)):
@@ -22,14 +22,8 @@ for head_dim, window in ((32, 64), (64, -1)):
     tables = torch.stack([torch.randperm(64).to(torch.int32)[:21] for _ in range(3)])
 
     def decode(rows: list[int], lens: list[int]) -> torch.Tensor:
-        q_start = torch.arange(len(rows) + 1, dtype=torch.int32)
-        seq_lens = torch.tensor(lens, dtype=torch.int32)
-        meta = ops.cpu_attn_get_scheduler_metadata(
-            num_reqs=len(rows), num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=head_dim, seq_lens=seq_lens,
-            dtype=torch.float32, query_start_loc=q_start, causal=True, sliding_window_size=window, isa="vec",
-            enable_kv_split=True)
-        return attend(dict(q=q[rows].contiguous(), k=k, v=v, q_start=q_start, lens=seq_lens, table=tables[rows],
-                           meta=meta, window=window, head_dim=head_dim))
+        return attend(dict(q=q[rows].contiguous(), k=k, v=v, table=tables[rows], window=window, head_dim=head_dim,
+                           **batch(torch.float32, head_dim, window, [1] * len(rows), lens)))
 
     alone = decode([0], [616])[0]
     for others, lens in (([1], [600]), ([1, 2], [600, 300])):

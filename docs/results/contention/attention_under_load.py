@@ -32,13 +32,18 @@ def case(dtype: torch.dtype, head_dim: int, window: int, q_lens: list[int], seq_
     max_blocks = max(-(-s // BLOCK) for s in seq_lens)
     perm = torch.randperm(num_blocks).to(torch.int32)
     table = torch.stack([perm.roll(i * max_blocks)[:max_blocks] for i in range(len(seq_lens))])
+    return dict(q=torch.randn(sum(q_lens), HEADS, head_dim).to(dtype), k=k, v=v, table=table, window=window,
+                head_dim=head_dim, **batch(dtype, head_dim, window, q_lens, seq_lens))
+
+
+def batch(dtype: torch.dtype, head_dim: int, window: int, q_lens: list[int], seq_lens: list[int]) -> dict:
+    """A batch's query offsets and sequence lengths, and the scheduler metadata vLLM builds for them (split-KV on)."""
     q_start = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
     lens = torch.tensor(seq_lens, dtype=torch.int32)
     meta = ops.cpu_attn_get_scheduler_metadata(
         num_reqs=len(q_lens), num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=head_dim, seq_lens=lens, dtype=dtype,
         query_start_loc=q_start, causal=True, sliding_window_size=window, isa="vec", enable_kv_split=True)
-    return dict(q=torch.randn(sum(q_lens), HEADS, head_dim).to(dtype), k=k, v=v, q_start=q_start, lens=lens,
-                table=table, meta=meta, window=window, head_dim=head_dim)
+    return dict(q_start=q_start, lens=lens, meta=meta)
 
 
 def attend(c: dict) -> torch.Tensor:

@@ -11,7 +11,7 @@ import sys
 import time
 
 from offload_bench.sim.tiny_models import tiny_gemma4
-from tests.engine_helpers import generate, run_engine, word_prompt, words
+from tests.engine_helpers import generate, output_of, run_engine, word_prompt, words
 
 n = int(sys.argv[1]) if len(sys.argv) > 1 else 100
 prompt = word_prompt(11, 576) + words(12, 40)
@@ -21,10 +21,8 @@ for i in range(n):
 script = {"model": str(tiny_gemma4()), "engine": {"max_model_len": 1024}, "kv_transfer_config": None,
           "wall_s": 3000, "actions": actions}
 start = time.time()
-outputs = {}
-for action in run_engine(script, timeout=3300)["actions"]:
-    if action["op"] == "generate":
-        outputs.update(action["outputs"])
+result = run_engine(script, timeout=3300)
+outputs = {f"{kind}-{i}": output_of(result, f"{kind}-{i}") for kind in ("whole", "again") for i in range(n)}
 for kind in ("whole", "again"):
     first = outputs[f"{kind}-0"]
     differ = [i for i in range(n) if (outputs[f"{kind}-{i}"]["token_ids"], outputs[f"{kind}-{i}"]["logprobs"])
