@@ -101,17 +101,24 @@ def assert_same_output(got: dict[str, Any], ref: dict[str, Any], what: str = "")
     before it flips a token (the tiny model's top-2 margins are 0.008-0.17 on the disk tests' prompt), so a load
     that is slightly wrong, or a forward that computed something else, fails here even when the tokens agree."""
     tag = f"{what}: " if what else ""
+    ma, mb = got.get("engine_model"), ref.get("engine_model")
+    # Which side differs: two engines whose model digests (taken before their first request) differ computed with
+    # other weights from the start, so the connector's loads cannot be what made their outputs differ.
+    models = "" if ma is None or mb is None else (
+        f" (the engines' model digests are equal: {ma})" if ma == mb else
+        f" (the engines' model digests differ, {ma} against {mb}: they computed with other weights from their "
+        f"first request on, whatever the connector did)")
     a, b = got["token_ids"], ref["token_ids"]
     if a != b:
         i = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-        raise AssertionError(f"{tag}tokens differ from index {i}: {a} against {b}")
+        raise AssertionError(f"{tag}tokens differ from index {i}: {a} against {b}{models}")
     la, lb = got.get("logprobs"), ref.get("logprobs")
     if (la is None) != (lb is None):
         raise AssertionError(f"{tag}log-probabilities in one output only ({'got' if la is not None else 'ref'})")
     if la != lb:
         i = next((i for i, (x, y) in enumerate(zip(la, lb)) if x != y), min(len(la), len(lb)))
         x, y = (la[i] if i < len(la) else None), (lb[i] if i < len(lb) else None)
-        raise AssertionError(f"{tag}same tokens, log-probabilities differ from token {i}: {x} against {y}")
+        raise AssertionError(f"{tag}same tokens, log-probabilities differ from token {i}: {x} against {y}{models}")
 
 
 def output_of(res: dict[str, Any], rid: str) -> dict[str, Any]:
@@ -166,8 +173,9 @@ def run_engine(script: dict[str, Any], timeout: float = 300.0, log_dir: str | os
     """Run `script` in a fresh subprocess engine; raise EngineRunError (with the log tail) on failure or timeout.
     `env`: extra environment variables for the engine (e.g. a pinned `VLLM_CPU_NUM_OF_RESERVED_CPU`); `drop_env`:
     variables removed from it. The result carries the log's tail under "log_tail", and with `full_log` the whole
-    log under "log". Under `OC_KV_TRACE` a block written from outside its forward raises too (`kv_trace_problems`),
-    unless `trace_errors` is False: then the problems are in the result under "kv_trace_problems"."""
+    log under "log". Model weights that changed during the run raise too, and under `OC_KV_TRACE` a block written
+    from outside its forward (`engine_problems`), unless `trace_errors` is False: then the problems are in the
+    result under "kv_trace_problems"."""
     with tempfile.TemporaryDirectory(prefix="engine-run-", dir=log_dir) as tmp:
         sp, op, lp = Path(tmp, "script.json"), Path(tmp, "out.json"), Path(tmp, "log.txt")
         sp.write_text(json.dumps(script))
@@ -187,7 +195,7 @@ def run_engine(script: dict[str, Any], timeout: float = 300.0, log_dir: str | os
         if rc != 0 or not op.exists():
             raise EngineRunError(f"engine run failed (exit {rc})\n{_tail(lp)}")
         result = json.loads(op.read_text())
-        problems = kv_trace_problems(result.get("kv_trace") or {})
+        problems = engine_problems(result)
         if problems and trace_errors:
             raise EngineRunError(f"{problems[0]}\n{_tail(lp)}")
         result["kv_trace_problems"] = problems
@@ -198,26 +206,48 @@ def run_engine(script: dict[str, Any], timeout: float = 300.0, log_dir: str | os
 
 
 def _weights_digest(model: Any) -> str:
-    """One hash of every parameter and buffer of the model, by name, as stored."""
+    """One hash of every parameter and buffer of the model, by name, as stored, and of every linear layer's product
+    on fixed inputs through the kernel the layer runs: vLLM's CPU backend packs small linear weights once at start-up
+    (`dispatch_cpu_unquantized_gemm`) and replaces the parameter with an empty one, so the packed copy the forward
+    multiplies by is reachable only through the layer's `cpu_linear`. Equal across engines of one model on one
+    machine; a difference says the engine computes with other weights, whatever happened to its KV."""
     import torch
     h = hashlib.blake2b(digest_size=8)
     tensors = [*model.named_parameters(), *model.named_buffers()]
     for name, t in sorted(tensors, key=lambda nt: nt[0]):
         h.update(name.encode())
         h.update(t.detach().contiguous().view(-1).view(torch.uint8).cpu().numpy().tobytes())
+    gen = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for name, mod in sorted(model.named_modules(), key=lambda nm: nm[0]):
+            linear, k = getattr(mod, "cpu_linear", None), getattr(mod, "input_size_per_partition", None)
+            if linear is None or not isinstance(k, int):
+                continue
+            x = torch.randn(3, k, generator=gen).to(getattr(mod, "params_dtype", torch.bfloat16))
+            h.update(name.encode())
+            out = linear(x, mod.weight, getattr(mod, "bias", None))
+            h.update(out.contiguous().view(-1).view(torch.uint8).numpy().tobytes())
     return h.hexdigest()
+
+
+def engine_problems(result: dict[str, Any]) -> list[str]:
+    """What an engine run's record says was written from outside the forward that owns it, one line each: the
+    model's weights or buffers changed during the run (every in-process engine, traced or not: digests before the
+    first action, after each `generate` and after the last action, so a change is placed between two actions and a
+    divergence between two engines can compare their weights), and what `kv_trace_problems` finds in its
+    `OC_KV_TRACE` record."""
+    problems = []
+    weights = result.get("weights") or []
+    if len(set(weights)) > 1:
+        problems.append(f"the model's weights and buffers changed during the run: {weights}")
+    return problems + kv_trace_problems(result.get("kv_trace") or {})
 
 
 def kv_trace_problems(trace: dict[str, Any]) -> list[str]:
     """What an `OC_KV_TRACE` record says was written into KV from outside the forward that owns it, one line each:
     a block that changed while its request held it, one the forward read before its load landed (or that changed
-    during the forward), one changed between the forward that computed it and the next step, and model weights or
-    buffers that changed between the first request and the end of the run (their digests stay in the record, so a
-    divergence between two engines can also compare their weights)."""
+    during the forward), and one changed between the forward that computed it and the next step."""
     problems = []
-    weights = trace.get("weights") or []
-    if len(set(weights)) > 1:
-        problems.append(f"the model's weights and buffers changed during the run (OC_KV_TRACE): {weights}")
     if trace.get("changed"):
         problems.append(f"KV blocks changed while their request held them (OC_KV_TRACE): {trace['changed'][:5]}")
     first = trace.get("first") or {}
@@ -463,7 +493,6 @@ def _child(script_path: str, out_path: str) -> None:
         # the drafts as computed until sampling rejects them (their KV is then rewritten), and its post-sampling
         # copy writes a Mamba boundary block after the forward: both would read as foreign writes.
         kv_trace["skipped"] = "speculative decoding: blocks past the accepted tokens are rewritten by design"
-    trace_model: list[Any] = [None]
     last_output: list[Any] = [None]
 
     def hash_blocks(into: dict[str, Any], upto: Callable[[str, Any], int], rids: Any) -> None:
@@ -539,15 +568,15 @@ def _child(script_path: str, out_path: str) -> None:
                     block_log.append({"step": step_no[0], "request": rid, "blocks": ids})
         return out
     sched.schedule = schedule
-    if kv_trace is not None:
-        worker = getattr(getattr(core.model_executor, "driver_worker", None), "worker", None)
-        model = getattr(getattr(worker, "model_runner", None), "model", None)
-        if model is not None:  # in-process worker (no TP/PP): nn.Module.__call__ looks forward up on the instance
-            model.forward = trace_forward(model.forward)
-            # The model's own memory too: a stray host write (a copy kernel's bad offset) could land in a weight
-            # rather than in KV, and the forward would then compute other KV from identical inputs.
-            kv_trace["weights"] = [_weights_digest(model)]
-            trace_model[0] = model
+    worker = getattr(getattr(core.model_executor, "driver_worker", None), "worker", None)
+    model = getattr(getattr(worker, "model_runner", None), "model", None)  # None: TP/PP, in worker processes
+    # The model's own memory, in every run: a stray host write (a copy kernel's or a read-back's bad offset) could
+    # land in a weight rather than in KV, and the forward would then compute other KV from identical inputs. Hashed
+    # between actions only (a few milliseconds for the tiny models), so an untraced run keeps CI's timing.
+    weights: list[str] | None = [_weights_digest(model)] if model is not None else None
+    if kv_trace is not None and model is not None:
+        # In-process worker: nn.Module.__call__ looks forward up on the instance.
+        model.forward = trace_forward(model.forward)
 
     external: dict[str, int] = {}
     sconn = getattr(sched, "connector", None)
@@ -646,6 +675,8 @@ def _child(script_path: str, out_path: str) -> None:
             for rid in names:
                 if rid in outputs:
                     outputs[rid]["external_tokens"] = _external_for(external, rid)
+                    if weights is not None:  # which model the engine computed with, for assert_same_output
+                        outputs[rid]["engine_model"] = weights[0]
             granted = {rid: _external_for(external, rid) for rid in names}
             res = {"op": op, "outputs": outputs, "steps": steps, "stalled": stalled, "stall": stall_info,
                    "aborted": aborted,
@@ -655,6 +686,8 @@ def _child(script_path: str, out_path: str) -> None:
                 for rid in res["unfinished"]:
                     engine.abort_request([rid])
             result["actions"].append(res)
+            if weights is not None:
+                weights.append(_weights_digest(model))
         elif op == "reset_prefix_cache":
             # Stores in flight keep blocks (delayed free), so keep stepping until the reset succeeds.
             ok, tries = False, 0
@@ -715,6 +748,13 @@ def _child(script_path: str, out_path: str) -> None:
         elif op == "clear_worker_faults":
             result["actions"].append({"op": op, "workers": llm.collective_rpc(
                 _clear_worker_faults, args=(bool(act.get("loads")), bool(act.get("stores"))))})
+        elif op == "poke_weight":
+            # A stray write into the model's memory, for the weight check's own test: one element of the first
+            # parameter moved by one.
+            import torch
+            with torch.no_grad():
+                next(model.parameters()).view(-1)[0] += 1
+            result["actions"].append({"op": op})
         elif op == "zero_kv":
             result["actions"].append({"op": op, "workers": llm.collective_rpc(_zero_kv)})
         elif op == "corrupt_loads":
@@ -735,9 +775,10 @@ def _child(script_path: str, out_path: str) -> None:
     if script.get("mamba_draft_kernels"):
         from tests import mamba_draft_kernels
         result["mamba_draft_moves"] = mamba_draft_kernels.MOVES
+    if weights is not None:
+        weights.append(_weights_digest(model))
+        result["weights"] = weights
     if kv_trace is not None:
-        if trace_model[0] is not None:
-            kv_trace["weights"].append(_weights_digest(trace_model[0]))
         result["kv_trace"] = kv_trace
     if copies is not None:
         result["copies"] = copies

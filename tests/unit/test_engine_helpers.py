@@ -47,3 +47,19 @@ def test_a_missing_log_probability_entry_fails() -> None:
 def test_log_probabilities_in_one_output_only_fail() -> None:
     with pytest.raises(AssertionError, match="one output only"):
         assert_same_output({"token_ids": REF["token_ids"]}, REF)
+
+
+def test_a_difference_names_whether_the_engines_model_digests_agree() -> None:
+    """Each output carries its engine's model digest (weights, buffers and packed linear layers, before the first
+    request): a divergence between engines whose digests differ is theirs, not the connector's, and says so."""
+    got = {**_copy(REF), "engine_model": "aa"}
+    got["token_ids"][1] = 2
+    with pytest.raises(AssertionError, match="model digests differ, aa against bb"):
+        assert_same_output(got, {**REF, "engine_model": "bb"})
+    with pytest.raises(AssertionError, match="model digests are equal: aa"):
+        assert_same_output(got, {**REF, "engine_model": "aa"})
+    got = {**_copy(REF), "engine_model": "aa"}
+    got["logprobs"][0][0][1] = -0.3
+    with pytest.raises(AssertionError, match="log-probabilities differ from token 0.*model digests differ"):
+        assert_same_output(got, {**REF, "engine_model": "bb"})
+    assert_same_output({**_copy(REF), "engine_model": "aa"}, {**REF, "engine_model": "bb"})  # equal outputs pass

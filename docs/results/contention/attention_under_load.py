@@ -25,23 +25,26 @@ LAYERS = (0, 0, 1, 0, 0, 1)  # the tiny Gemma 4's layer order: 0 sliding, 1 full
 
 
 def case(dtype: torch.dtype, head_dim: int, window: int, q_lens: list[int], seq_lens: list[int],
-         num_blocks: int = 64) -> dict:
+         num_blocks: int = 64, isa: str = "vec") -> dict:
     kv = torch.randn(num_blocks, KV_HEADS, BLOCK * 2, head_dim).to(dtype)
     k, v = kv.chunk(2, dim=2)
     max_blocks = max(-(-s // BLOCK) for s in seq_lens)
     perm = torch.randperm(num_blocks).to(torch.int32)
     table = torch.stack([perm.roll(i * max_blocks)[:max_blocks] for i in range(len(seq_lens))])
     return dict(q=torch.randn(sum(q_lens), HEADS, head_dim).to(dtype), k=k, v=v, table=table, window=window,
-                head_dim=head_dim, **batch(dtype, head_dim, window, q_lens, seq_lens))
+                head_dim=head_dim, **batch(dtype, head_dim, window, q_lens, seq_lens, isa))
 
 
-def batch(dtype: torch.dtype, head_dim: int, window: int, q_lens: list[int], seq_lens: list[int]) -> dict:
-    """A batch's query offsets and sequence lengths, and the scheduler metadata vLLM builds for them (split-KV on)."""
+def batch(dtype: torch.dtype, head_dim: int, window: int, q_lens: list[int], seq_lens: list[int],
+          isa: str = "vec") -> dict:
+    """A batch's query offsets and sequence lengths, and the scheduler metadata vLLM builds for them (split-KV on).
+    `isa`: the kernel's instruction set; the engine runs "amx" for bfloat16 on a CPU with AMX tiles (vLLM's
+    `_get_attn_isa`), "vec" otherwise."""
     q_start = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
     lens = torch.tensor(seq_lens, dtype=torch.int32)
     meta = ops.cpu_attn_get_scheduler_metadata(
         num_reqs=len(q_lens), num_heads=HEADS, num_kv_heads=KV_HEADS, head_dim=head_dim, seq_lens=lens, dtype=dtype,
-        query_start_loc=q_start, causal=True, sliding_window_size=window, isa="vec", enable_kv_split=True)
+        query_start_loc=q_start, causal=True, sliding_window_size=window, isa=isa, enable_kv_split=True)
     return dict(q_start=q_start, lens=lens, meta=meta)
 
 
