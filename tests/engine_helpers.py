@@ -205,6 +205,32 @@ def run_engine(script: dict[str, Any], timeout: float = 300.0, log_dir: str | os
         return result
 
 
+def _all_outputs(res: dict[str, Any]) -> dict[str, Any]:
+    return {rid: (out["token_ids"], out.get("logprobs"))
+            for a in res["actions"] if a["op"] == "generate" for rid, out in a.get("outputs", {}).items()}
+
+
+def reference_run(script: dict[str, Any], timeout: float = 300.0, **kw: Any) -> dict[str, Any]:
+    """`run_engine` for a reference (an engine without the connector): run twice, and when the two disagree on any
+    output (tokens or log-probabilities, bit for bit), a third decides. A vLLM CPU engine process can compute
+    differently as a whole, from its first request on, without any connector (contention run 17's reference engine,
+    docs/results/contention/untraced/run-017/analysis.md), so one engine's outputs are a reference only once a
+    second reproduces them. The result is a run that another matched, with the votes under "reference"; no two of
+    three agreeing raises."""
+    runs = [run_engine(script, timeout, **kw), run_engine(script, timeout, **kw)]
+    if _all_outputs(runs[0]) != _all_outputs(runs[1]):
+        runs.append(run_engine(script, timeout, **kw))
+    outs = [_all_outputs(r) for r in runs]
+    for i in range(len(runs)):
+        agree = [j for j in range(len(runs)) if outs[j] == outs[i]]
+        if len(agree) >= 2:
+            runs[i]["reference"] = {"runs": len(runs), "agreeing": len(agree),
+                                    "digests": [(r.get("weights") or [None])[0] for r in runs]}
+            return runs[i]
+    raise EngineRunError(f"no two of {len(runs)} reference engines (no connector) returned the same outputs; model "
+                         f"digests {[(r.get('weights') or [None])[0] for r in runs]}")
+
+
 def _weights_digest(model: Any) -> str:
     """One hash of every parameter and buffer of the model, by name, as stored, and of every linear layer's product
     on fixed inputs through the kernel the layer runs: vLLM's CPU backend packs small linear weights once at start-up

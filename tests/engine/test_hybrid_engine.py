@@ -27,8 +27,8 @@ from dataclasses import dataclass
 
 import pytest
 
-from tests.engine_helpers import (assert_same_output, connector_config, generate as _gen, output_of as _out, run_engine,
-                                  vllm_cpu_version, word_prompt, words)
+from tests.engine_helpers import (assert_same_output, connector_config, generate as _gen, output_of as _out,
+                                  reference_run, run_engine, vllm_cpu_version, word_prompt, words)
 
 if vllm_cpu_version() is None:
     pytest.skip("engine tests need the vllm-cpu distribution (a real engine on CPU)", allow_module_level=True)
@@ -90,7 +90,7 @@ _baselines: dict[str, dict] = {}
 def _baseline(hybrid: Hybrid) -> dict:
     """The engine without the connector, run once per model for every test that compares with it."""
     if hybrid.name not in _baselines:
-        _baselines[hybrid.name] = run_engine(_script(hybrid.model_dir(), None, hybrid), timeout=420)
+        _baselines[hybrid.name] = reference_run(_script(hybrid.model_dir(), None, hybrid), timeout=420)
     return _baselines[hybrid.name]
 
 

@@ -19,8 +19,8 @@ from functools import partial
 
 import pytest
 
-from tests.engine_helpers import (SECOND_TIER_IDLE, assert_same_output, connector_config, drained, generate, run_engine,
-                                  vllm_cpu_version)
+from tests.engine_helpers import (SECOND_TIER_IDLE, assert_same_output, connector_config, drained, generate,
+                                  reference_run, run_engine, vllm_cpu_version)
 
 if vllm_cpu_version() is None:
     pytest.skip("engine tests need the vllm-cpu distribution (a real engine on CPU)", allow_module_level=True)
@@ -175,8 +175,8 @@ def runs(request, tmp_path_factory) -> dict:
 @pytest.fixture(scope="module")
 def base() -> dict:
     from offload_bench.sim.tiny_models import tiny_gemma4
-    return run_engine({"model": str(tiny_gemma4()), "engine": ENGINE, "kv_transfer_config": None, "wall_s": 300,
-                       "actions": [_gen("base", _prompt(5), GEN)]}, timeout=400)
+    return reference_run({"model": str(tiny_gemma4()), "engine": ENGINE, "kv_transfer_config": None, "wall_s": 300,
+                          "actions": [_gen("base", _prompt(5), GEN)]}, timeout=400)
 
 
 def test_engine_b_loads_what_engine_a_stored(runs: dict, base: dict) -> None:

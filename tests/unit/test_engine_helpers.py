@@ -63,3 +63,31 @@ def test_a_difference_names_whether_the_engines_model_digests_agree() -> None:
     with pytest.raises(AssertionError, match="log-probabilities differ from token 0.*model digests differ"):
         assert_same_output(got, {**REF, "engine_model": "bb"})
     assert_same_output({**_copy(REF), "engine_model": "aa"}, {**REF, "engine_model": "bb"})  # equal outputs pass
+
+
+def _run(tokens: list[int], digest: str = "d") -> dict:
+    return {"weights": [digest], "actions": [{"op": "generate", "outputs": {"r": {"token_ids": tokens}}}]}
+
+
+@pytest.mark.parametrize(("runs", "chosen", "count"), [
+    ([[1, 2], [1, 2]], 0, 2),            # two agree: no third engine
+    ([[9, 9], [1, 2], [1, 2]], 1, 3),    # the first engine was odd: the other two decide
+    ([[1, 2], [9, 9], [1, 2]], 0, 3),    # the second was odd
+])
+def test_a_reference_is_a_run_another_engine_reproduced(monkeypatch: pytest.MonkeyPatch, runs: list, chosen: int,
+                                                        count: int) -> None:
+    from tests import engine_helpers
+    made = [_run(t, f"d{i}") for i, t in enumerate(runs)]
+    calls = iter(made)
+    monkeypatch.setattr(engine_helpers, "run_engine", lambda *a, **k: next(calls))
+    got = engine_helpers.reference_run({"actions": []})
+    assert got is made[chosen] and got["reference"]["runs"] == count and got["reference"]["agreeing"] >= 2
+    assert next(calls, None) is None
+
+
+def test_a_reference_no_two_engines_agree_on_fails(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tests import engine_helpers
+    calls = iter([_run([1]), _run([2]), _run([3])])
+    monkeypatch.setattr(engine_helpers, "run_engine", lambda *a, **k: next(calls))
+    with pytest.raises(engine_helpers.EngineRunError, match="no two of 3 reference engines"):
+        engine_helpers.reference_run({"actions": []})
