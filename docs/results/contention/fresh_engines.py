@@ -31,6 +31,9 @@ def main() -> None:
     parser.add_argument("engines", type=int_in(1, 100_000))
     parser.add_argument("out", help="JSON file: per engine, its start time, model digest and outputs")
     args = parser.parse_args()
+    parent = os.path.dirname(os.path.abspath(args.out))
+    if not os.path.isdir(parent) or not os.access(parent, os.W_OK) or os.path.isdir(args.out):
+        parser.error(f"out: {args.out!r} cannot be written (its folder must exist and be writable)")
     s = script(str(tiny_gemma4()))
     runs: list[dict] = []
     for i in range(args.engines):

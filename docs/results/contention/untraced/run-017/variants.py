@@ -40,6 +40,8 @@ VARIANTS = {
 
 
 def main() -> None:
+    from offload_bench.args import OneLineParser
+    OneLineParser(prog="variants.py", description="run 17's reference engine rerun with one change each").parse_args()
     script = json.loads((HERE / "engines" / "engine-000-31092" / "script.json").read_text())
     odd, majority = recorded("engine-000-31092"), recorded("engine-006-31092")
     base_path = os.pathsep.join([str(REPO), str(REPO / "benchmarks")])
