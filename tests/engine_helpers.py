@@ -50,9 +50,11 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 import urllib.error
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any, Callable
 
@@ -206,29 +208,122 @@ def run_engine(script: dict[str, Any], timeout: float = 300.0, log_dir: str | os
 
 
 def _all_outputs(res: dict[str, Any]) -> dict[str, Any]:
+    control = (res.get("control") or {}).get("outputs", {})
     return {rid: (out["token_ids"], out.get("logprobs"))
-            for a in res["actions"] if a["op"] == "generate" for rid, out in a.get("outputs", {}).items()}
+            for outs in [control, *(a.get("outputs", {}) for a in res["actions"] if a["op"] == "generate")]
+            for rid, out in outs.items()}
+
+
+# The control request every reference and every checked connector engine computes first, alone, before anything can
+# be loaded: 12 prompt tokens and 4 generated ones hold 15 tokens of KV, less than one block of any layout these
+# tests run (16 and up), so it fills no block, stores nothing and is never a prefix hit; it leaves the engine's tiers
+# as they were. Engines of one model and one engine configuration compute it bit for bit alike (they all do in the
+# contention series); one that does not computes differently as a whole, whatever the connector does later.
+CONTROL_ID = "control"
+
+
+def with_control(script: dict[str, Any]) -> dict[str, Any]:
+    """`script` with the control request as its first action (its result lands under "control", not "actions")."""
+    control = generate(CONTROL_ID, word_prompt(9001, 12), 4, logprobs=DEFAULT_LOGPROBS)
+    return {**script, "actions": [{**control, "control": True}, *script["actions"]]}
+
+
+def control_output(res: dict[str, Any]) -> dict[str, Any]:
+    """The control request's output in a run of `with_control(script)`."""
+    out = ((res.get("control") or {}).get("outputs") or {}).get(CONTROL_ID)
+    if out is None:
+        raise EngineRunError(f"the run has no control output (a script built without with_control?): "
+                             f"{(res.get('control') or {}).get('unfinished')}")
+    return out
+
+
+class OddEngineError(AssertionError):
+    """An engine computed its control request (before anything could be loaded) differently from the reference
+    engines: its later outputs say nothing about the connector."""
+
+
+def note_odd_engine(event: dict[str, Any]) -> None:
+    """Record an engine found odd by its control: under the contention harness (OC_ENGINE_LOG_DIR) as one JSON line
+    of `odd-engines.jsonl`, which the harness counts, so a rerun is never silent."""
+    keep = os.environ.get("OC_ENGINE_LOG_DIR")
+    if keep:
+        Path(keep).mkdir(parents=True, exist_ok=True)
+        with open(Path(keep, "odd-engines.jsonl"), "a") as f:
+            f.write(json.dumps({"time": time.time(), **event}) + "\n")
 
 
 def reference_run(script: dict[str, Any], timeout: float = 300.0, **kw: Any) -> dict[str, Any]:
-    """`run_engine` for a reference (an engine without the connector): run twice, and when the two disagree on any
-    output (tokens or log-probabilities, bit for bit), a third decides. A vLLM CPU engine process can compute
-    differently as a whole, from its first request on, without any connector (contention run 17's reference engine,
-    docs/results/contention/untraced/run-017/analysis.md), so one engine's outputs are a reference only once a
-    second reproduces them. The result is a run that another matched, with the votes under "reference"; no two of
-    three agreeing raises."""
-    runs = [run_engine(script, timeout, **kw), run_engine(script, timeout, **kw)]
+    """`run_engine` for a reference (an engine without the connector), with the control request first: run twice,
+    and when the two disagree on any output (tokens or log-probabilities, bit for bit), a third decides. A vLLM CPU
+    engine process can compute differently as a whole, from its first request on, without any connector
+    (contention run 17's reference engine, docs/results/contention/untraced/run-017/analysis.md), so one engine's
+    outputs are a reference only once a second reproduces them. The result is a run that another matched, with the
+    votes under "reference"; no two of three agreeing raises."""
+    script = with_control(script)
+    # The two run side by side: an engine subprocess computes on one thread, and a test machine has two cores.
+    with ThreadPoolExecutor(2) as pool:
+        runs = list(pool.map(lambda _: run_engine(script, timeout, **kw), range(2)))
     if _all_outputs(runs[0]) != _all_outputs(runs[1]):
         runs.append(run_engine(script, timeout, **kw))
     outs = [_all_outputs(r) for r in runs]
+    digests = [(r.get("weights") or [None])[0] for r in runs]
     for i in range(len(runs)):
         agree = [j for j in range(len(runs)) if outs[j] == outs[i]]
         if len(agree) >= 2:
-            runs[i]["reference"] = {"runs": len(runs), "agreeing": len(agree),
-                                    "digests": [(r.get("weights") or [None])[0] for r in runs]}
+            runs[i]["reference"] = {"runs": len(runs), "agreeing": len(agree), "digests": digests}
+            if len(runs) > 2:
+                note_odd_engine({"kind": "reference", "runs": len(runs), "digests": digests})
             return runs[i]
     raise EngineRunError(f"no two of {len(runs)} reference engines (no connector) returned the same outputs; model "
-                         f"digests {[(r.get('weights') or [None])[0] for r in runs]}")
+                         f"digests {digests}")
+
+
+def _control_differs(res: dict[str, Any], reference: dict[str, Any]) -> str | None:
+    got, ref = control_output(res), control_output(reference)
+    try:
+        assert_same_output(got, ref, "control")
+    except AssertionError as exc:
+        return str(exc)
+    return None
+
+
+def checked_run(script: dict[str, Any], reference: dict[str, Any], timeout: float = 300.0, *, rerun: bool = True,
+                **kw: Any) -> dict[str, Any]:
+    """`run_engine` for a connector engine whose outputs a test compares with `reference` (a `reference_run` of the
+    same model and engine configuration): the control request runs first, and must match the reference's bit for
+    bit. One that does not shows an engine computing differently before the connector could load anything (the
+    oddity contention run 17 caught in a reference engine), so its comparisons would say nothing about the
+    connector: the run is noted (`note_odd_engine`) and, with `rerun`, made once more in a fresh engine, whose
+    control must match. Without `rerun` (an engine that depends on what earlier engines of a scenario left: a disk
+    file, a shared store) it raises `OddEngineError`, for `scenario` to run the whole scenario again. A difference
+    after the control is the test's to judge, never retried."""
+    script = with_control(script)
+    res = run_engine(script, timeout, **kw)
+    why = _control_differs(res, reference)
+    if why is None:
+        return res
+    note_odd_engine({"kind": "connector", "rerun": rerun, "why": why, "digest": (res.get("weights") or [None])[0]})
+    if not rerun:
+        raise OddEngineError(f"the engine computed its control request differently from the reference, before "
+                             f"anything was loaded: {why}")
+    again = run_engine(script, timeout, **kw)
+    second = _control_differs(again, reference)
+    if second is not None:
+        raise OddEngineError(f"two engines in a row computed the control request differently from the reference "
+                             f"(before anything was loaded): {why}; then {second}")
+    again["odd_before"] = why
+    return again
+
+
+def scenario(run: Callable[[int], Any]) -> Any:
+    """`run(0)`; once more as `run(1)`, only when one of its engines' control proved it odd (`OddEngineError` from
+    `checked_run(..., rerun=False)`). `run` must start from fresh state each time (new directories, another
+    namespace), so the second attempt sees nothing of the first."""
+    try:
+        return run(0)
+    except OddEngineError as exc:
+        note_odd_engine({"kind": "scenario", "why": str(exc)})
+        return run(1)
 
 
 def _weights_digest(model: Any) -> str:
@@ -292,17 +387,19 @@ class EngineRun:
     reached that barrier, the test does its fault, `go(name)` lets the engine on; `result()` joins. Barriers time out
     on both sides, so a test never hangs."""
 
-    def __init__(self, script: dict[str, Any], timeout: float = 600.0, **kw: Any) -> None:
-        import threading
+    def __init__(self, script: dict[str, Any], timeout: float = 600.0, reference: dict[str, Any] | None = None,
+                 **kw: Any) -> None:
         self._dir = tempfile.mkdtemp(prefix="engine-barriers-")
         self._script = {**script, "barrier_dir": self._dir}
+        self._reference = reference  # given: `checked_run(..., rerun=False)` against it (inside a `scenario`)
         self._out: dict[str, Any] = {}
         self._thread = threading.Thread(target=self._run, args=(timeout, kw), daemon=True)
         self._thread.start()
 
     def _run(self, timeout: float, kw: dict[str, Any]) -> None:
         try:
-            self._out["result"] = run_engine(self._script, timeout, **kw)
+            self._out["result"] = (run_engine(self._script, timeout, **kw) if self._reference is None else
+                                   checked_run(self._script, self._reference, timeout, rerun=False, **kw))
         except BaseException as exc:  # noqa: BLE001 - handed to result()
             self._out["error"] = exc
 
@@ -329,6 +426,9 @@ class EngineRun:
         return self._out["result"]
 
 
+_KEEP_LOCK = threading.Lock()
+
+
 def _keep(run_dir: Path) -> None:
     """With OC_ENGINE_LOG_DIR set (the contention harness, offload-connector contention), keep each engine run's script,
     result and whole log there, numbered in order, so a failure under load can be examined afterwards."""
@@ -337,9 +437,10 @@ def _keep(run_dir: Path) -> None:
         return
     import shutil
     dest = Path(keep)
-    dest.mkdir(parents=True, exist_ok=True)
-    n = len(list(dest.glob("engine-*")))
-    shutil.copytree(run_dir, dest / f"engine-{n:03d}-{os.getpid()}")
+    with _KEEP_LOCK:  # reference engines end on two threads at once (`reference_run`): one number each
+        dest.mkdir(parents=True, exist_ok=True)
+        n = len(list(dest.glob("engine-*")))
+        shutil.copytree(run_dir, dest / f"engine-{n:03d}-{os.getpid()}")
 
 
 def _tail(path: Path, n: int = 12000) -> str:
@@ -712,7 +813,10 @@ def _child(script_path: str, out_path: str) -> None:
             if stalled or res["unfinished"]:
                 for rid in res["unfinished"]:
                     engine.abort_request([rid])
-            result["actions"].append(res)
+            if act.get("control"):  # the engine's control request (`with_control`): kept apart, so a script's
+                result["control"] = res  # own actions keep their indices
+            else:
+                result["actions"].append(res)
             if weights is not None:
                 weights.append(_weights_digest(model))
         elif op == "reset_prefix_cache":

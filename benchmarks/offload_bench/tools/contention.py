@@ -10,8 +10,10 @@ and why.
 
 Every run keeps its JUnit XML, `run.json` (commit, seconds, load average) and pytest's log; a run with a failure also
 keeps, through OC_ENGINE_LOG_DIR, every engine's script, result and full log, so a divergence can be examined
-afterwards; every engine runs with OC_KV_TRACE (tests/engine_helpers.py), so a KV block that changes while its
-request holds it fails the run even when no greedy token flips (`DIR/run-007/engines/...`). `--kv-trace off` runs
+afterwards; an engine whose control request (computed first, before anything can be loaded) differs from the
+reference engines' is run again and counted under "odd_engines" in `run.json` and the summary; every engine runs
+with OC_KV_TRACE (tests/engine_helpers.py), so a KV block that changes while its request holds it fails the run even
+when no greedy token flips (`DIR/run-007/engines/...`). `--kv-trace off` runs
 the engines as CI and users do: the trace hashes blocks before each step and inside every forward, which changes the
 timing it watches, so a race it hides can only show with it off (then a changed log-probability or a flipped
 token, not the changed block itself, is caught). The summary is `DIR/summary.json`. The project's own runs are
@@ -162,7 +164,8 @@ def run_once(index: int, tests: list[str], out: Path, python: str, timeout_s: fl
             rc = -9
     cases = parse_junit(xml)
     record = {"run": index, "rc": rc, "seconds": round(time.monotonic() - t0, 1), "load_avg_1m": load_average(),
-              "timed_out": rc == -9, "commit": _commit(), "kv_trace": kv_trace}
+              "timed_out": rc == -9, "commit": _commit(), "kv_trace": kv_trace,
+              "odd_engines": odd_engines(run_dir / "engines")}
     # Beside the JUnit XML, so that runs gathered over several sittings (and machines) keep what they ran on.
     (run_dir / "run.json").write_text(json.dumps(record))
     if rc == 0 and cases and all(c["outcome"] in ("passed", "skipped") for c in cases):
@@ -170,6 +173,23 @@ def run_once(index: int, tests: list[str], out: Path, python: str, timeout_s: fl
         # engines' scripts and logs are for examining a failure.
         shutil.rmtree(run_dir / "engines", ignore_errors=True)
     return {**record, "cases": cases}
+
+
+def odd_engines(engines: Path) -> list[dict[str, Any]]:
+    """The engines a run's tests found computing their control request differently from the reference engines,
+    before anything was loaded, and ran again (tests/engine_helpers.py `note_odd_engine`): never silent, so a series
+    says how often vLLM's CPU engine itself was odd beside how often a test failed."""
+    try:
+        lines = (engines / "odd-engines.jsonl").read_text().splitlines()
+    except OSError:
+        return []
+    events = []
+    for line in lines:
+        try:
+            events.append(json.loads(line))
+        except json.JSONDecodeError:
+            events.append({"kind": "unreadable", "line": line[:200]})
+    return events
 
 
 def _commit() -> str | None:
@@ -288,6 +308,7 @@ def main(argv: list[str] | None = None) -> int:
             summary = {"runs": args.runs, "done": len(runs), "burners": args.burners, "burn": args.burn,
                        "cpu_count": os.cpu_count(), "kv_trace": args.kv_trace, "tests": args.tests,
                        "per_test": summarize(runs),
+                       "odd_engines": sum(len(x.get("odd_engines") or ()) for x in runs),
                        "run_details": [{k: v for k, v in x.items() if k != "cases"} for x in runs]}
             (out / "summary.json").write_text(json.dumps(summary, indent=1))
     finally:
@@ -297,8 +318,10 @@ def main(argv: list[str] | None = None) -> int:
     per = summarize(runs)
     print(table(per))
     bad_total = sum(s["failed"] + s["error"] for s in per.values()) + sum(r["timed_out"] for r in runs)
+    odd = sum(len(r.get("odd_engines") or ()) for r in runs)
     print(f"{len(runs)} runs with {args.burners} {args.burn} burners on {os.cpu_count()} CPUs: "
-          f"{bad_total} failed or errored test runs; logs in {out}")
+          f"{bad_total} failed or errored test runs; {odd} engines odd before any load (control request) and run "
+          f"again; logs in {out}")
     return 0 if bad_total == 0 and all(r["rc"] in (0, None) for r in runs) else 1
 
 
