@@ -20,6 +20,7 @@ Script (all keys but "model" and "actions" optional):
         {"op": "generate", "requests": [{"id": "a", "prompt_token_ids": [...], "max_tokens": 8}],
          "max_steps": 2000, "stall_steps": 40},
         {"op": "generate", "requests": [{"id": "b", "extends": "a", "extra": [...]}]},  # a's prompt + output + extra
+        {"op": "generate", "control": true, "requests": [...]},  # its result under "control", not "actions"
         {"op": "reset_prefix_cache"},            # waits (bounded) for stores in flight, then resets the GPU cache
         {"op": "drain"},                         # steps (bounded) until the connector has nothing in flight
         {"op": "corrupt_loads", "count": 1},     # arm fault injection for the next `count` finished loads
@@ -217,8 +218,8 @@ def _all_outputs(res: dict[str, Any]) -> dict[str, Any]:
 # The control request every reference and every checked connector engine computes first, alone, before anything can
 # be loaded: 12 prompt tokens and 4 generated ones hold 15 tokens of KV, less than one block of any layout these
 # tests run (16 and up), so it fills no block, stores nothing and is never a prefix hit; it leaves the engine's tiers
-# as they were. Engines of one model and one engine configuration compute it bit for bit alike (they all do in the
-# contention series); one that does not computes differently as a whole, whatever the connector does later.
+# as they were. Engines of one model and one engine configuration compute it bit for bit alike (every engine of the
+# controlled contention runs did); one that does not computes differently as a whole, whatever the connector does.
 CONTROL_ID = "control"
 
 
