@@ -1271,13 +1271,6 @@ if __name__ == "__main__":
 
 
 # ------------------------------------------------------------------------------------ parallel layouts (TP/PP)
-def run_engine_logged(script: dict[str, Any], timeout: float = 300.0, env: dict[str, str] | None = None,
-                      drop_env: tuple[str, ...] = ()) -> dict[str, Any]:
-    """`run_engine` with the engine's whole log under "log" (worker processes' lines included, prefixed by vLLM with
-    `(Worker_TP0 pid=...)`, `(Worker_PP1_TP0 pid=...)`, ...)."""
-    return run_engine(script, timeout, env=env, drop_env=drop_env, full_log=True)
-
-
 def omp_bind_one_core_per_rank(world_size: int) -> str:
     """A `VLLM_CPU_OMP_THREADS_BIND` value giving each of `world_size` local ranks one allowed CPU, round robin.
 
