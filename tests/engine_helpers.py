@@ -316,6 +316,15 @@ def checked_run(script: dict[str, Any], reference: dict[str, Any], timeout: floa
     return again
 
 
+def compared_run(script: dict[str, Any], reference: dict[str, Any] | None, timeout: float = 300.0,
+                 **kw: Any) -> dict[str, Any]:
+    """The run of a test that builds its reference and its connector engines alike: `reference_run` (two engines
+    that agree) when `reference` is None, else `checked_run` against it (the connector engine, its control checked)."""
+    if reference is None:
+        return reference_run(script, timeout, **kw)
+    return checked_run(script, reference, timeout, **kw)
+
+
 def scenario(run: Callable[[int], Any]) -> Any:
     """`run(0)`; once more as `run(1)`, only when one of its engines' control proved it odd (`OddEngineError` from
     `checked_run(..., rerun=False)`). `run` must start from fresh state each time (new directories, another

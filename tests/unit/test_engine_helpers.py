@@ -175,3 +175,18 @@ def test_a_run_without_a_control_output_is_an_error_not_an_odd_engine(monkeypatc
     _fake_engines(monkeypatch, [_controlled([4, 4])])
     with pytest.raises(engine_helpers.EngineRunError, match="no control output"):
         engine_helpers.checked_run({"actions": []}, {"actions": []})
+
+
+def test_a_compared_run_is_a_reference_pair_without_a_reference_and_a_checked_engine_with_one(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """`compared_run`: the tests that build both sides alike (TP/PP, hybrid TP2) get a reference pair when they
+    pass no reference, and a connector engine whose control is checked when they pass one."""
+    from tests import engine_helpers
+    a, b = _controlled([4, 4]), _controlled([4, 4])
+    scripts = _fake_engines(monkeypatch, [a, b])
+    ref = engine_helpers.compared_run({"actions": []}, None)
+    assert len(scripts) == 2 and ref in (a, b)  # two engines that agree
+    odd, good = _controlled([4, 5]), _controlled([4, 4])
+    scripts = _fake_engines(monkeypatch, [odd, good])
+    assert engine_helpers.compared_run({"actions": []}, ref) is good  # checked: the odd engine was run again
+    assert len(scripts) == 2
