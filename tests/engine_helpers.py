@@ -21,6 +21,7 @@ Script (all keys but "model" and "actions" optional):
          "max_steps": 2000, "stall_steps": 40},
         {"op": "generate", "requests": [{"id": "b", "extends": "a", "extra": [...]}]},  # a's prompt + output + extra
         {"op": "generate", "control": true, "requests": [...]},  # its result under "control", not "actions"
+        {"op": "generate", "control": "end", "requests": [...]},  # under "control_end"
         {"op": "reset_prefix_cache"},            # waits (bounded) for stores in flight, then resets the GPU cache
         {"op": "drain"},                         # steps (bounded) until the connector has nothing in flight
         {"op": "corrupt_loads", "count": 1},     # arm fault injection for the next `count` finished loads
@@ -111,6 +112,13 @@ def assert_same_output(got: dict[str, Any], ref: dict[str, Any], what: str = "")
         f" (the engines' model digests are equal: {ma})" if ma == mb else
         f" (the engines' model digests differ, {ma} against {mb}: they computed with other weights from their "
         f"first request on, whatever the connector did)")
+    ea, eb = got.get("engine_end_control"), ref.get("engine_end_control")
+    # The same control request once more after the last action (`with_control`): equal, the engines still computed
+    # alike at their end; different, one no longer did (or a write landed in the blocks it was given).
+    if ea is not None and eb is not None:
+        models += (f" (their end controls are equal: {ea})" if ea == eb else
+                   f" (their end controls differ, {ea} against {eb}: one engine computed the control request, which "
+                   f"loads nothing, differently after its last action)")
     a, b = got["token_ids"], ref["token_ids"]
     if a != b:
         i = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
@@ -209,9 +217,9 @@ def run_engine(script: dict[str, Any], timeout: float = 300.0, log_dir: str | os
 
 
 def _all_outputs(res: dict[str, Any]) -> dict[str, Any]:
-    control = (res.get("control") or {}).get("outputs", {})
+    controls = [(res.get(k) or {}).get("outputs", {}) for k in ("control", "control_end")]
     return {rid: (out["token_ids"], out.get("logprobs"))
-            for outs in [control, *(a.get("outputs", {}) for a in res["actions"] if a["op"] == "generate")]
+            for outs in [*controls, *(a.get("outputs", {}) for a in res["actions"] if a["op"] == "generate")]
             for rid, out in outs.items()}
 
 
@@ -220,13 +228,34 @@ def _all_outputs(res: dict[str, Any]) -> dict[str, Any]:
 # tests run (16 and up), so it fills no block, stores nothing and is never a prefix hit; it leaves the engine's tiers
 # as they were. Engines of one model and one engine configuration compute it bit for bit alike (every engine of the
 # controlled contention runs did); one that does not computes differently as a whole, whatever the connector does.
+# The same request runs again after the script's last action ("control-end"): it judges nothing (a late write into a
+# block the request is given would change it too, and that is the connector's fault), but when a comparison fails
+# it tells an engine that computed its end control as the reference did from one that no longer did.
 CONTROL_ID = "control"
+END_CONTROL_ID = "control-end"
 
 
 def with_control(script: dict[str, Any]) -> dict[str, Any]:
-    """`script` with the control request as its first action (its result lands under "control", not "actions")."""
-    control = generate(CONTROL_ID, word_prompt(9001, 12), 4, logprobs=DEFAULT_LOGPROBS)
-    return {**script, "actions": [{**control, "control": True}, *script["actions"]]}
+    """`script` with the control request as its first action (its result lands under "control", not "actions") and
+    again as its last (under "control_end")."""
+    prompt = word_prompt(9001, 12)
+    control = generate(CONTROL_ID, prompt, 4, logprobs=DEFAULT_LOGPROBS)
+    end = generate(END_CONTROL_ID, prompt, 4, logprobs=DEFAULT_LOGPROBS)
+    return {**script, "actions": [{**control, "control": True}, *script["actions"], {**end, "control": "end"}]}
+
+
+def mark_end_control(res: dict[str, Any]) -> dict[str, Any]:
+    """Every output of `res` carries a digest of its engine's end control (tokens and log-probabilities), which
+    `assert_same_output` names when a comparison fails. A run without an end control (a killed engine's script may
+    end early) carries none."""
+    out = ((res.get("control_end") or {}).get("outputs") or {}).get(END_CONTROL_ID)
+    if out is not None:
+        digest = hashlib.sha256(json.dumps([out["token_ids"], out.get("logprobs")]).encode()).hexdigest()[:16]
+        for outs in [(res.get("control") or {}).get("outputs", {}),
+                     *(a.get("outputs", {}) for a in res["actions"] if a["op"] == "generate")]:
+            for o in outs.values():
+                o["engine_end_control"] = digest
+    return res
 
 
 def control_output(res: dict[str, Any]) -> dict[str, Any]:
@@ -274,7 +303,7 @@ def reference_run(script: dict[str, Any], timeout: float = 300.0, **kw: Any) -> 
             runs[i]["reference"] = {"runs": len(runs), "agreeing": len(agree), "digests": digests}
             if len(runs) > 2:
                 note_odd_engine({"kind": "reference", "runs": len(runs), "digests": digests})
-            return runs[i]
+            return mark_end_control(runs[i])
     raise EngineRunError(f"no two of {len(runs)} reference engines (no connector) returned the same outputs; model "
                          f"digests {digests}")
 
@@ -302,7 +331,7 @@ def checked_run(script: dict[str, Any], reference: dict[str, Any], timeout: floa
     res = run_engine(script, timeout, **kw)
     why = _control_differs(res, reference)
     if why is None:
-        return res
+        return mark_end_control(res)
     note_odd_engine({"kind": "connector", "rerun": rerun, "why": why, "digest": (res.get("weights") or [None])[0]})
     if not rerun:
         raise OddEngineError(f"the engine computed its control request differently from the reference, before "
@@ -313,7 +342,7 @@ def checked_run(script: dict[str, Any], reference: dict[str, Any], timeout: floa
         raise OddEngineError(f"two engines in a row computed the control request differently from the reference "
                              f"(before anything was loaded): {why}; then {second}")
     again["odd_before"] = why
-    return again
+    return mark_end_control(again)
 
 
 def compared_run(script: dict[str, Any], reference: dict[str, Any] | None, timeout: float = 300.0,
@@ -823,8 +852,8 @@ def _child(script_path: str, out_path: str) -> None:
             if stalled or res["unfinished"]:
                 for rid in res["unfinished"]:
                     engine.abort_request([rid])
-            if act.get("control"):  # the engine's control request (`with_control`): kept apart, so a script's
-                result["control"] = res  # own actions keep their indices
+            if act.get("control"):  # the engine's control requests (`with_control`): kept apart, so a script's
+                result["control_end" if act["control"] == "end" else "control"] = res  # own actions keep their indices
             else:
                 result["actions"].append(res)
             if weights is not None:

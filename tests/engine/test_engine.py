@@ -492,10 +492,10 @@ def test_a_load_reported_before_it_lands_is_never_read_early(model_dir: str, pin
     if fenced:
         assert_same_output(got, output_of(pinned_baseline, "reload"))
         assert res["kv_trace_problems"] == []
-        # The model's weights were hashed before the first action, after each generate (the control request's
+        # The model's weights were hashed before the first action, after each generate (the two control requests'
         # too) and after the last action, and did not change.
         weights = res["weights"]
-        assert len(weights) == 3 + sum(a["op"] == "generate" for a in res["actions"]), weights
+        assert len(weights) == 4 + sum(a["op"] == "generate" for a in res["actions"]), weights
         assert len(set(weights)) == 1, weights
         _no_leaks(res)
     else:

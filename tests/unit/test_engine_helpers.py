@@ -190,3 +190,27 @@ def test_a_compared_run_is_a_reference_pair_without_a_reference_and_a_checked_en
     scripts = _fake_engines(monkeypatch, [odd, good])
     assert engine_helpers.compared_run({"actions": []}, ref) is good  # checked: the odd engine was run again
     assert len(scripts) == 2
+
+
+def test_the_control_request_runs_again_after_the_last_action_and_a_failed_comparison_names_it() -> None:
+    """The end control judges nothing; when a comparison fails it says whether both engines still computed the
+    control request alike after their last action."""
+    from tests import engine_helpers
+    script = engine_helpers.with_control({"actions": [{"op": "drain"}]})
+    first, end = script["actions"][0], script["actions"][-1]
+    assert first["control"] is True and end["control"] == "end" and script["actions"][1] == {"op": "drain"}
+    assert end["requests"][0]["prompt_token_ids"] == first["requests"][0]["prompt_token_ids"]
+
+    def run(end_tokens: list[int], tokens: list[int]) -> dict:
+        res = _controlled([4, 4], tokens)
+        res["control_end"] = {"outputs": {engine_helpers.END_CONTROL_ID: {"token_ids": end_tokens}}}
+        return engine_helpers.mark_end_control(res)
+    ref, same_end, odd_end = run([4, 4], [1, 2]), run([4, 4], [1, 3]), run([4, 5], [1, 3])
+    assert engine_helpers.output_of(ref, "r")["engine_end_control"] == \
+        engine_helpers.output_of(same_end, "r")["engine_end_control"]
+    with pytest.raises(AssertionError, match="tokens differ from index 1.*end controls are equal"):
+        assert_same_output(engine_helpers.output_of(same_end, "r"), engine_helpers.output_of(ref, "r"))
+    with pytest.raises(AssertionError, match="end controls differ"):
+        assert_same_output(engine_helpers.output_of(odd_end, "r"), engine_helpers.output_of(ref, "r"))
+    without = engine_helpers.mark_end_control(_controlled([4, 4]))  # no end control (an engine ended early)
+    assert "engine_end_control" not in engine_helpers.output_of(without, "r")
