@@ -206,6 +206,12 @@ def run_engine(script: dict[str, Any], timeout: float = 300.0, log_dir: str | os
         if rc != 0 or not op.exists():
             raise EngineRunError(f"engine run failed (exit {rc})\n{_tail(lp)}")
         result = json.loads(op.read_text())
+        if result.get("out_of_time"):
+            # Its requests were cut off by the script's budget, not finished: outputs missing from such a run are no
+            # evidence of anything, so it is an error that says so rather than a comparison that fails.
+            raise EngineRunError(f"the engine ran out of its wall_s budget ({script.get('wall_s', 600)} s after "
+                                 f"start-up) with requests unfinished at actions {result['out_of_time']} of its script "
+                                 f"(load average {os.getloadavg()[0]:.1f})\n{_tail(lp)}")
         problems = engine_problems(result)
         if problems and trace_errors:
             raise EngineRunError(f"{problems[0]}\n{_tail(lp)}")
@@ -607,7 +613,6 @@ def _child(script_path: str, out_path: str) -> None:
     engine_kw.update(script.get("engine", {}))
     if script.get("kv_transfer_config"):
         engine_kw["kv_transfer_config"] = script["kv_transfer_config"]
-    deadline = time.monotonic() + float(script.get("wall_s", 600))
     shared_keys: list[dict[str, Any]] = []
     if script.get("record_shared_keys"):
         _record_shared_puts(shared_keys)
@@ -628,6 +633,10 @@ def _child(script_path: str, out_path: str) -> None:
     if script.get("mamba_draft_kernels"):  # worker processes (TP/PP) too; a no-op in this one
         from tests import mamba_draft_kernels
         llm.collective_rpc(mamba_draft_kernels.install)
+    # The script's budget counts from here: start-up is bounded by run_engine's timeout, and on a busy machine it
+    # took most of a 400-second budget (a TP2xPP2 reference at load 30 left itself no time for its requests).
+    budget_s = float(script.get("wall_s", 600))
+    deadline = time.monotonic() + budget_s
     engine = llm.llm_engine
     core = engine.engine_core.engine_core  # InprocClient -> EngineCore
     sched = core.scheduler
@@ -781,7 +790,7 @@ def _child(script_path: str, out_path: str) -> None:
         return internal
 
     conversation: dict[str, list[int]] = {}  # request id -> its prompt, then its output once finished
-    for act in script["actions"]:
+    for index, act in enumerate(script["actions"]):
         op = act["op"]
         if op == "generate":
             before = metrics()
@@ -811,7 +820,10 @@ def _child(script_path: str, out_path: str) -> None:
             aborts = {int(k): v for k, v in (act.get("abort_after_steps") or {}).items()}  # step -> [ids]
             aborted: list[str] = []
             while engine.has_unfinished_requests():
-                if (busy_steps if stall_wall_s else steps) >= max_steps or time.monotonic() > deadline:
+                if time.monotonic() > deadline:
+                    result.setdefault("out_of_time", []).append(index)  # of the script's actions
+                    break
+                if (busy_steps if stall_wall_s else steps) >= max_steps:
                     break
                 if steps in aborts:
                     engine.abort_request(aborts[steps])
