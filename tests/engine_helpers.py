@@ -222,11 +222,14 @@ def run_engine(script: dict[str, Any], timeout: float = 300.0, log_dir: str | os
         return result
 
 
-def _all_outputs(res: dict[str, Any]) -> dict[str, Any]:
+def _output_maps(res: dict[str, Any]) -> list[dict[str, Any]]:
+    """Every {request id: output} of a run: its control requests' (`with_control`) and its generate actions'."""
     controls = [(res.get(k) or {}).get("outputs", {}) for k in ("control", "control_end")]
-    return {rid: (out["token_ids"], out.get("logprobs"))
-            for outs in [*controls, *(a.get("outputs", {}) for a in res["actions"] if a["op"] == "generate")]
-            for rid, out in outs.items()}
+    return [*controls, *(a.get("outputs", {}) for a in res["actions"] if a["op"] == "generate")]
+
+
+def _all_outputs(res: dict[str, Any]) -> dict[str, Any]:
+    return {rid: (out["token_ids"], out.get("logprobs")) for outs in _output_maps(res) for rid, out in outs.items()}
 
 
 # The control request every reference and every checked connector engine computes first, alone, before anything can
@@ -257,8 +260,7 @@ def mark_end_control(res: dict[str, Any]) -> dict[str, Any]:
     out = ((res.get("control_end") or {}).get("outputs") or {}).get(END_CONTROL_ID)
     if out is not None:
         digest = hashlib.sha256(json.dumps([out["token_ids"], out.get("logprobs")]).encode()).hexdigest()[:16]
-        for outs in [(res.get("control") or {}).get("outputs", {}),
-                     *(a.get("outputs", {}) for a in res["actions"] if a["op"] == "generate")]:
+        for outs in _output_maps(res):
             for o in outs.values():
                 o["engine_end_control"] = digest
     return res
@@ -635,8 +637,7 @@ def _child(script_path: str, out_path: str) -> None:
         llm.collective_rpc(mamba_draft_kernels.install)
     # The script's budget counts from here: start-up is bounded by run_engine's timeout, and on a busy machine it
     # took most of a 400-second budget (a TP2xPP2 reference at load 30 left itself no time for its requests).
-    budget_s = float(script.get("wall_s", 600))
-    deadline = time.monotonic() + budget_s
+    deadline = time.monotonic() + float(script.get("wall_s", 600))
     engine = llm.llm_engine
     core = engine.engine_core.engine_core  # InprocClient -> EngineCore
     sched = core.scheduler
